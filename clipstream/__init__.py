@@ -1,0 +1,1 @@
+"""clipstream: continual vision-language pretraining."""

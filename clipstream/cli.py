@@ -1,0 +1,156 @@
+"""The `clipstream` command: synthesise data, train task after task, evaluate, list versions, demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from clipstream.settings import Settings
+
+
+def _synth(args) -> None:
+    from training.data.synth import synthesize
+
+    dirs = synthesize(args.out, tasks=args.tasks, seed=args.seed, image_size=args.image_size,
+                      train_pairs=args.train_pairs, test_per_task=args.test_per_task, digits=not args.no_digits)
+    for folder in dirs:
+        print(folder)
+
+
+def _check(args) -> None:
+    from training.data.task import Task
+
+    task = Task.load(args.task)
+    for split in task.splits:
+        check = task.check(split, args.on_bad_image)
+        print(f"{task.name} {split}: {len(check.rows)} rows ok, {len(check.skipped)} skipped")
+        for line in check.skipped:
+            print(f"  skipped {line}")
+
+
+def _train(args) -> None:
+    from training.job import run_task
+
+    result = run_task(args.task, args.method, args.parent, args.workers, args.set, Settings())
+    _print_result(result)
+
+
+def _print_result(result) -> None:
+    print(f"\nregistered version {result.version} (alias candidate) for task {result.task} "
+          f"[{result.seconds:.0f} s, {result.skipped} rows skipped]")
+    print("\ntask-known Rm, R[i][j] = after task i, on task j:\n" + result.known.format_table())
+    print("\ntask-unknown Rm:\n" + result.unknown.format_table())
+    print(f"\nheatmap: {result.heatmap}")
+
+
+def _eval(args) -> None:
+    from training import evaluate, models
+    from training.data.task import Task
+    from training.registry import Registry
+
+    version = Registry(Settings()).resolve(args.version)
+    bundle = models.load_exported(version.folder)
+    tasks = [Task.load(p) for p in args.task] or [Task.load(e["path"]) for e in version.lineage]
+    scores = evaluate.evaluate_seen([evaluate.embed_task(bundle, t) for t in tasks])
+    print(f"version {version.version} ({version.tags.get('method')}, after task {version.tags.get('task')})")
+    print(evaluate.format_scores(scores))
+
+
+def _runs(args) -> None:
+    from training.registry import Registry
+
+    registry = Registry(Settings())
+    versions = registry.versions()
+    if not versions:
+        print(f"no registered versions in stream {registry.name!r} yet (train one with `clipstream train`)")
+        return
+    header = f"{'version':>7}  {'aliases':<20} {'task':<22} {'method':<10} {'parent':>6}  {'AA':>6} {'forget':>6} {'BWT':>6}"
+    print(header + "\n" + "-" * len(header))
+    for v in versions:
+        m = registry.run_metrics(v.run_id)
+        print(f"{v.version:>7}  {','.join(v.aliases):<20} {v.tags.get('task', ''):<22} {v.tags.get('method', ''):<10} "
+              f"{v.tags.get('parent_version') or '-':>6}  {m.get('known/AA', float('nan')):6.1f} "
+              f"{m.get('known/forgetting', float('nan')):6.1f} {m.get('known/BWT', float('nan')):6.1f}")
+
+
+def _demo(args) -> None:
+    from training.data.synth import synthesize
+    from training.job import run_task
+
+    settings = Settings()
+    out = Path(args.out or settings.data_dir / f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    print(f"== synthesising {args.tasks} domain tasks + the digits task under {out}")
+    dirs = synthesize(out, tasks=args.tasks, seed=args.seed)
+    parent, result = None, None
+    for i, folder in enumerate(dirs):
+        print(f"\n== task {i + 1}/{len(dirs)}: {folder.name} ({args.method}, {args.workers} Ray workers, parent {parent or 'none'})")
+        result = run_task(folder, args.method, parent, args.workers, args.set, settings)
+        parent = result.version
+    _print_result(result)
+    print(f"\nMLflow: `mlflow ui --backend-store-uri {settings.mlflow_tracking_uri}` then open http://127.0.0.1:5000 "
+          f"(experiment {settings.stream!r}, registered model {settings.stream!r})")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="clipstream", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    data = sub.add_parser("data", help="task data").add_subparsers(dest="data_command", required=True)
+    synth = data.add_parser("synth", help="write the synthetic benchmark")
+    synth.add_argument("--out", required=True)
+    synth.add_argument("--tasks", type=int, default=4)
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--image-size", type=int, default=32)
+    synth.add_argument("--train-pairs", type=int, default=2000)
+    synth.add_argument("--test-per-task", type=int, default=64)
+    synth.add_argument("--no-digits", action="store_true", help="leave out the handwritten-digits task")
+    synth.set_defaults(func=_synth)
+    check = data.add_parser("check", help="validate a task directory")
+    check.add_argument("--task", required=True)
+    check.add_argument("--on-bad-image", choices=("fail", "skip"), default="fail")
+    check.set_defaults(func=_check)
+
+    def training_args(q):
+        q.add_argument("--method", default="finetune", help="a preset of training/methods/presets.yaml")
+        q.add_argument("--workers", type=int, default=2, help="Ray Train workers")
+        q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a preset value, e.g. train.epochs=2")
+
+    train = sub.add_parser("train", help="train one task as a Ray Train job and register a version")
+    train.add_argument("--task", required=True)
+    train.add_argument("--parent", help="models:/STREAM@ALIAS, an alias or a version number")
+    training_args(train)
+    train.set_defaults(func=_train)
+
+    ev = sub.add_parser("eval", help="evaluate a registered version on its tasks (or the given ones)")
+    ev.add_argument("--version", default="candidate")
+    ev.add_argument("--task", action="append", default=[])
+    ev.set_defaults(func=_eval)
+
+    sub.add_parser("runs", help="registered versions with their key metrics").set_defaults(func=_runs)
+
+    demo = sub.add_parser("demo", help="synthesise a stream, train it task by task, show the R matrix")
+    demo.add_argument("--out")
+    demo.add_argument("--tasks", type=int, default=3, help="domain tasks (the digits task is added last)")
+    demo.add_argument("--seed", type=int, default=0)
+    training_args(demo)
+    demo.set_defaults(func=_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from training.data.task import DataError
+    from training.registry import RegistryError
+
+    try:
+        args.func(args)
+    except (DataError, RegistryError, ValueError, FileNotFoundError) as exc:
+        print(f"clipstream: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

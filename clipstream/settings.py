@@ -1,0 +1,81 @@
+"""One typed place for every URI, path and port clipstream uses.
+
+Values come, highest priority first, from: keyword arguments, `CLIPSTREAM_*` environment variables,
+a YAML file (`CLIPSTREAM_CONFIG` or `./clipstream.yaml`), then the embedded defaults under
+`./.clipstream/` (SQLite MLflow, Qdrant Edge, local Ray).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
+
+
+def _config_file() -> Optional[Path]:
+    path = os.environ.get("CLIPSTREAM_CONFIG")
+    if path:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"CLIPSTREAM_CONFIG={path}: no such file")
+        return Path(path)
+    default = Path("clipstream.yaml")
+    return default if default.is_file() else None
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CLIPSTREAM_", extra="forbid")
+
+    home: Path = Field(Path(".clipstream"), description="root of every embedded default")
+    data_dir: Optional[Path] = Field(None, description="task data and synthetic benchmarks; default HOME/data")
+    mlflow_tracking_uri: Optional[str] = Field(None, description="default sqlite:///HOME/mlflow.db")
+    mlflow_artifact_root: Optional[str] = Field(None, description="default HOME/mlartifacts")
+    stream: str = Field("clipstream", description="MLflow experiment and registered-model name")
+    qdrant_path: Optional[Path] = Field(None, description="embedded Qdrant Edge directory; default HOME/qdrant")
+    qdrant_url: Optional[str] = Field(None, description="Qdrant server URL; when set, used instead of the embedded engine")
+    qdrant_api_key: Optional[str] = None
+    ray_address: Optional[str] = Field(None, description="None starts a local Ray; 'auto' or ray://host:port joins a cluster")
+    grpc_port: int = Field(9000, ge=1, le=65535)
+    runs_dir: Optional[Path] = Field(None, description="Ray Train storage (checkpoints); default HOME/runs")
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources = [init_settings, env_settings]
+        path = _config_file()
+        if path is not None:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)
+
+    @model_validator(mode="after")
+    def _resolve_defaults(self) -> "Settings":
+        home = self.home.absolute()
+        self.home = home
+        self.data_dir = (self.data_dir or home / "data").absolute()
+        self.qdrant_path = (self.qdrant_path or home / "qdrant").absolute()
+        self.runs_dir = (self.runs_dir or home / "runs").absolute()
+        if self.mlflow_tracking_uri is None:
+            self.mlflow_tracking_uri = f"sqlite:///{home / 'mlflow.db'}"
+        if self.mlflow_artifact_root is None:
+            self.mlflow_artifact_root = str(home / "mlartifacts")
+        return self
+
+    @property
+    def embedded_registry(self) -> bool:
+        return self.mlflow_tracking_uri.startswith("sqlite:")
+
+    def ensure_dirs(self) -> "Settings":
+        for path in (self.home, self.data_dir, self.runs_dir):
+            path.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def env(self) -> dict[str, str]:
+        """The environment that makes a child process (a Ray worker, a job) see these same settings."""
+        out = {}
+        for name, value in self.model_dump().items():
+            if value is not None:
+                out[f"CLIPSTREAM_{name.upper()}"] = str(value)
+        return out

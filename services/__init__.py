@@ -1,0 +1,1 @@
+"""Everything that serves a model version."""

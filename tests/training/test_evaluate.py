@@ -1,0 +1,362 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from training.evaluate import (
+    KS,
+    Embedded,
+    ResultMatrix,
+    embed_pairs,
+    evaluate_seen,
+    positives,
+    recall_at_k,
+    retrieval_metrics,
+)
+
+
+def unit_rows(n, d, seed):
+    x = np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+# ---------------------------------------------------------------- positives / recall_at_k
+
+
+def test_positives_diagonal_same_image_and_identical_caption():
+    p = positives(["a.jpg", "b.jpg", "a.jpg", "c.jpg"], ["a dog", "a cat", "a puppy", "a cat"])
+    expected = np.eye(4, dtype=bool)
+    expected[0, 2] = expected[2, 0] = True  # same image file a.jpg
+    expected[1, 3] = expected[3, 1] = True  # identical caption "a cat"
+    assert p.dtype == bool
+    np.testing.assert_array_equal(p, expected)
+    with pytest.raises(ValueError):
+        positives(["a", "b"], ["x"])
+
+
+def test_recall_at_k_hand_computed_ranks():
+    # 4 queries over a 12-item gallery; the single positive sits at 0-based rank 0, 3, 7, 11.
+    # R@1 = 1/4 (rank 0), R@5 = 2/4 (ranks 0, 3), R@10 = 3/4 (ranks 0, 3, 7).
+    base = np.linspace(1.0, 0.0, 12)  # strictly decreasing: column c has rank c
+    scores = np.tile(base, (4, 1))
+    positive = np.zeros((4, 12), dtype=bool)
+    for q, rank in enumerate([0, 3, 7, 11]):
+        positive[q, rank] = True
+    assert recall_at_k(scores, positive) == {1: 0.25, 5: 0.5, 10: 0.75}
+    assert recall_at_k(scores, positive, ks=(4, 12)) == {4: 0.5, 12: 1.0}
+
+
+def test_recall_at_k_ties_are_pessimistic_and_order_independent():
+    # The positive (0.5) ties a negative (0.5): it is ranked below it -> rank 1, so R@1 = 0, R@5 = 1,
+    # whichever column comes first.
+    for scores, positive in [
+        ([[0.5, 0.5, 0.1]], [[True, False, False]]),
+        ([[0.5, 0.5, 0.1]], [[False, True, False]]),
+    ]:
+        assert recall_at_k(np.array(scores), np.array(positive), ks=(1, 2)) == {1: 0.0, 2: 1.0}
+    # All items tie: the positive is behind the other 4 -> rank 4: miss at 4, hit at 5.
+    assert recall_at_k(np.zeros((1, 5)), np.eye(1, 5, dtype=bool), ks=(4, 5)) == {4: 0.0, 5: 1.0}
+
+
+def test_recall_at_k_ties_between_positives_still_hit():
+    # Two identical captions (both positives) score the same, above every negative: one of them is
+    # first whatever the tie-break, so R@1 = 1. A negative tying them pushes the best positive to rank 1.
+    positive = np.array([[True, True, False]])
+    assert recall_at_k(np.array([[0.7, 0.7, 0.1]]), positive, ks=(1,)) == {1: 1.0}
+    assert recall_at_k(np.array([[0.7, 0.7, 0.7]]), positive, ks=(1, 2)) == {1: 0.0, 2: 1.0}
+
+
+def test_identical_caption_counts_as_hit():
+    # Images 0 and 2 have captions "a dog" (identical text); image 0's embedding is closest to caption 2.
+    p = positives(["x.jpg", "y.jpg", "z.jpg"], ["a dog", "a cat", "a dog"])
+    scores = np.array([[0.8, 0.1, 0.9], [0.0, 1.0, 0.2], [0.3, 0.1, 0.9]])
+    assert recall_at_k(scores, p, ks=(1,)) == {1: 1.0}
+    assert recall_at_k(scores, np.eye(3, dtype=bool), ks=(1,)) == {1: 2 / 3}  # pair-only rule misses it
+
+
+def test_recall_at_k_rejects_queries_without_positive_and_bad_input():
+    with pytest.raises(ValueError, match="no positive"):
+        recall_at_k(np.ones((2, 3)), np.array([[True, False, False], [False, False, False]]))
+    with pytest.raises(ValueError):
+        recall_at_k(np.ones((2, 3)), np.ones((2, 4), dtype=bool))
+    with pytest.raises(ValueError, match="non-finite"):  # NaN must never rank as a hit
+        recall_at_k(np.array([[np.nan, 0.0]]), np.array([[True, False]]))
+
+
+def test_recall_non_decreasing_in_k():
+    scores = np.random.default_rng(0).standard_normal((50, 40))
+    positive = np.random.default_rng(1).random((50, 40)) < 0.05
+    positive[np.arange(50), np.arange(50) % 40] = True  # every query has at least one positive
+    r = recall_at_k(scores, positive, ks=range(1, 41))
+    assert all(r[k] <= r[k + 1] for k in range(1, 40))
+    assert r[40] == 1.0
+
+
+# ---------------------------------------------------------------- retrieval_metrics
+
+
+def test_retrieval_metrics_hand_computed():
+    img = np.array([[1, 0], [0, 1], [-1, 0]], dtype=np.float32)
+    txt = np.array([[0.6, 0.8], [-0.6, 0.8], [0, -1]], dtype=np.float32)
+    # S = img @ txt.T:
+    #   img0: [ 0.6, -0.6,  0 ] -> txt0 first: hit@1
+    #   img1: [ 0.8,  0.8, -1 ] -> txt1 ties negative txt0 -> rank 1: miss@1
+    #   img2: [-0.6,  0.6,  0 ] -> txt2 (0) behind txt1 (0.6) -> rank 1: miss@1
+    # i2t R@1 = 1/3; a 3-item gallery puts every rank < 5, so R@5 = R@10 = 100.
+    # Columns (t2i):
+    #   txt0: [0.6, 0.8, -0.6] -> img0 behind img1: miss@1
+    #   txt1: [-0.6, 0.8, 0.6] -> img1 first: hit@1
+    #   txt2: [0, -1, 0]       -> img2 ties negative img0 -> rank 1: miss@1
+    # t2i R@1 = 1/3.  Rm = (2 * 100/3 + 4 * 100) / 6 = 77.78
+    m = retrieval_metrics(img, txt, np.eye(3, dtype=bool))
+    assert list(m) == ["i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10", "Rm"]
+    assert m["i2t_R@1"] == pytest.approx(100 / 3)
+    assert m["t2i_R@1"] == pytest.approx(100 / 3)
+    for d in ("i2t", "t2i"):
+        assert m[f"{d}_R@5"] == m[f"{d}_R@10"] == 100.0
+    assert m["Rm"] == pytest.approx((2 * 100 / 3 + 400) / 6)
+
+
+def test_retrieval_metrics_non_square_gallery():
+    # 2 images, 3 captions (image 0 has captions 0 and 1). Image 1 is nearest caption 1 (of image 0):
+    # i2t: img0 -> [0.9, 0.8, 0.0] hit; img1 -> [0.0, 0.6, 0.5] best positive txt2 (0.5) behind txt1: miss.
+    # t2i: txt0 -> [0.9, 0.0] hit; txt1 -> [0.8, 0.6] hit; txt2 -> [0.0, 0.5] hit.
+    img = np.array([[1.0, 0.0], [0.0, 1.0]])
+    txt = np.array([[0.9, 0.0], [0.8, 0.6], [0.0, 0.5]])
+    positive = np.array([[True, True, False], [False, False, True]])
+    m = retrieval_metrics(img, txt, positive)
+    assert m["i2t_R@1"] == 50.0 and m["i2t_R@5"] == 100.0
+    assert m["t2i_R@1"] == 100.0
+
+
+def test_perfect_embeddings_score_100():
+    e = unit_rows(300, 64, seed=0)
+    m = retrieval_metrics(e, e.copy(), np.eye(300, dtype=bool))
+    assert all(v == 100.0 for v in m.values()), m
+
+
+def test_perfect_embeddings_with_duplicate_captions_score_100():
+    # Rows 0 and 1 are two images with the identical caption: their text embeddings are identical,
+    # so image 0 ties caption 0 and caption 1, both positives -> still a hit.
+    keys, caps = ["a", "b", "c", "d"], ["red dress", "red dress", "blue car", "cat"]
+    img = unit_rows(4, 16, seed=3)
+    txt = img.copy()
+    txt[1] = txt[0]
+    m = retrieval_metrics(img, txt, positives(keys, caps))
+    assert m["i2t_R@1"] == 100.0 and m["t2i_R@1"] == 100.0
+
+
+def test_random_embeddings_near_chance():
+    # 500 queries, one positive each among 500: chance R@K = K / 500 (0.2 %, 1 %, 2 %).
+    n = 500
+    m = retrieval_metrics(unit_rows(n, 32, seed=1), unit_rows(n, 32, seed=2), np.eye(n, dtype=bool))
+    for d in ("i2t", "t2i"):
+        for k in KS:
+            assert abs(m[f"{d}_R@{k}"] - 100 * k / n) < 2.0, m
+    assert m["Rm"] < 5.0
+
+
+# ---------------------------------------------------------------- evaluate_seen
+
+
+def test_evaluate_seen_unknown_gallery_distracts():
+    # Task A: images e0, e1; texts t0 = (.6,0,.8,0), t1 = (0,.6,0,.8).  Task-known: every query's own
+    # positive scores 0.6 against 0 for the other item -> 100 everywhere. Task B: one pair
+    # b0 = e3, u0 = (.8,0,0,.6); known is trivially 100 (gallery of one).
+    # Task-unknown (union galleries):
+    #   i2t A: a0 -> [t0 .6, t1 0, u0 .8] miss@1; a1 -> [0, .6, 0] hit       -> R@1 50
+    #   t2i A: t0 -> [a0 .6, a1 0, b0 0] hit;      t1 -> [0, .6, b0 .8] miss -> R@1 50
+    #   i2t B: b0 -> [t0 0, t1 .8, u0 .6] miss;  t2i B: u0 -> [a0 .8, a1 0, b0 .6] miss -> R@1 0
+    # Galleries have 3 items, so R@5 = R@10 = 100. Rm A = (50+50+400)/6, Rm B = 400/6.
+    f = np.float32
+    a = Embedded(
+        "A",
+        np.array([[1, 0, 0, 0], [0, 1, 0, 0]], f),
+        np.array([[0.6, 0, 0.8, 0], [0, 0.6, 0, 0.8]], f),
+        np.eye(2, dtype=bool),
+    )
+    b = Embedded("B", np.array([[0, 0, 0, 1]], f), np.array([[0.8, 0, 0, 0.6]], f), np.eye(1, dtype=bool))
+    out = evaluate_seen([a, b])
+    assert set(out) == {"known", "unknown"}
+    for task in ("A", "B"):
+        assert all(v == 100.0 for v in out["known"][task].values())
+    ua, ub = out["unknown"]["A"], out["unknown"]["B"]
+    assert (ua["i2t_R@1"], ua["t2i_R@1"], ua["i2t_R@5"], ua["t2i_R@10"]) == (50.0, 50.0, 100.0, 100.0)
+    assert ua["Rm"] == pytest.approx(500 / 6)
+    assert (ub["i2t_R@1"], ub["t2i_R@1"]) == (0.0, 0.0)
+    assert ub["Rm"] == pytest.approx(400 / 6)
+
+
+def test_evaluate_seen_single_task_unknown_equals_known():
+    e = unit_rows(20, 8, seed=4)
+    txt = unit_rows(20, 8, seed=5) * 0.3 + e
+    txt /= np.linalg.norm(txt, axis=1, keepdims=True)
+    out = evaluate_seen([Embedded("only", e, txt, np.eye(20, dtype=bool))])
+    assert out["known"]["only"] == out["unknown"]["only"]
+
+
+def test_evaluate_seen_rejects_duplicates_and_bad_shapes():
+    e = Embedded("A", np.eye(2, dtype=np.float32), np.eye(2, dtype=np.float32), np.eye(2, dtype=bool))
+    with pytest.raises(ValueError, match="duplicate"):
+        evaluate_seen([e, e])
+    with pytest.raises(ValueError):
+        Embedded("B", np.eye(2), np.eye(3), np.eye(2, dtype=bool))
+
+
+# ---------------------------------------------------------------- ResultMatrix
+
+# R = [[80], [85, 70], [50, 75, 90]] over tasks a, b, c:
+#   AA_0 = 80, AA_1 = (85 + 70) / 2 = 77.5, AA_2 = (50 + 75 + 90) / 3 = 71.667
+#   forgetting a = max(R[0][a] 80, R[1][a] 85) - R[2][a] 50 = 35
+#   forgetting b = R[1][b] 70 - R[2][b] 75 = -5 (the last row is not part of the max: improving is
+#   negative forgetting)
+#   mean forgetting = 15;  BWT = ((50 - 80) + (75 - 70)) / 2 = -12.5
+def matrix():
+    m = ResultMatrix()
+    m.add_row("a", {"a": 80.0})
+    m.add_row("b", {"a": 85.0, "b": 70.0})
+    m.add_row("c", {"c": 90.0, "a": 50.0, "b": 75.0})  # key order does not matter; stream order does
+    return m
+
+
+def test_result_matrix_metrics_hand_computed():
+    m = matrix()
+    assert m.tasks == ["a", "b", "c"]
+    v = m.values
+    assert v.shape == (3, 3)
+    np.testing.assert_array_equal(np.isnan(v), np.triu(np.ones((3, 3), dtype=bool), k=1))
+    np.testing.assert_array_equal(v[np.tril_indices(3)], [80, 85, 70, 50, 75, 90])
+    assert [m.average_accuracy(t) for t in range(3)] == pytest.approx([80, 77.5, 215 / 3])
+    assert m.average_accuracy() == pytest.approx(215 / 3)
+    assert m.forgetting() == {"a": 35.0, "b": -5.0}
+    assert m.mean_forgetting() == 15.0
+    assert m.bwt() == -12.5
+
+
+def test_result_matrix_single_task_and_empty():
+    m = ResultMatrix()
+    assert m.forgetting() == {} and m.mean_forgetting() == 0.0 and m.bwt() == 0.0
+    with pytest.raises(ValueError):
+        m.average_accuracy()
+    m.add_row("a", {"a": 42.0})
+    assert m.average_accuracy() == 42.0
+    assert m.forgetting() == {} and m.mean_forgetting() == 0.0 and m.bwt() == 0.0
+    with pytest.raises(IndexError):
+        m.average_accuracy(1)
+
+
+def test_result_matrix_add_row_validation():
+    m = ResultMatrix()
+    m.add_row("a", {"a": 1.0})
+    with pytest.raises(ValueError, match="missing"):
+        m.add_row("b", {"b": 1.0})  # seen task a missing
+    with pytest.raises(ValueError, match="unknown"):
+        m.add_row("b", {"a": 1.0, "b": 1.0, "zzz": 1.0})
+    with pytest.raises(ValueError, match="missing"):
+        m.add_row("b", {"a": 1.0})  # the new task's own score missing
+    with pytest.raises(ValueError, match="already"):
+        m.add_row("a", {"a": 1.0})
+    with pytest.raises(ValueError, match="finite"):
+        m.add_row("b", {"a": float("nan"), "b": 1.0})
+    assert m.tasks == ["a"] and m.values.shape == (1, 1)  # failed adds change nothing
+    with pytest.raises(ValueError):
+        ResultMatrix(["a", "b"], [[1.0], [1.0]])  # row 1 needs 2 scores
+    with pytest.raises(ValueError):
+        ResultMatrix(["a"], [])
+
+
+def test_result_matrix_dict_round_trip():
+    m = matrix()
+    d = json.loads(json.dumps(m.to_dict(), allow_nan=False))  # strict JSON: NaN must be None
+    assert d["values"][0] == [80.0, None, None]
+    assert d["forgetting"] == {"a": 35.0, "b": -5.0} and d["bwt"] == -12.5
+    r = ResultMatrix.from_dict(d)
+    assert r.tasks == m.tasks
+    np.testing.assert_array_equal(r.values, m.values)  # NaN positions equal too
+    assert ResultMatrix.from_dict(ResultMatrix().to_dict()).tasks == []
+
+
+def test_heatmap_writes_png(tmp_path):
+    path = matrix().heatmap(tmp_path / "plots" / "r.png", title="test")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 5000
+    with Image.open(path) as im:
+        assert im.size[0] > 200 and im.size[1] > 200
+
+
+def test_format_table_contains_numbers():
+    text = matrix().format_table()
+    cells = ["80.00", "85.00", "70.00", "50.00", "75.00", "90.00"]
+    for s in cells + ["77.50", "71.67", "35.00", "-5.00", "15.00", "-12.50"]:  # AA, forgetting, BWT
+        assert s in text, s
+    lines = text.splitlines()
+    assert len({len(line) for line in lines[:4]}) == 1  # header + 3 rows are fixed-width
+    assert "BWT" in text and "forgetting" in text
+
+
+# ---------------------------------------------------------------- embed_pairs
+
+
+@pytest.fixture(scope="module")
+def tiny_clip(tmp_path_factory):
+    import open_clip
+
+    cfg_dir = tmp_path_factory.mktemp("cfg")
+    cfg = {
+        "embed_dim": 32,
+        "vision_cfg": {"image_size": 32, "layers": 1, "width": 64, "patch_size": 8},
+        "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 1},
+    }
+    (cfg_dir / "tiny-evaluate-test.json").write_text(json.dumps(cfg))
+    open_clip.add_model_config(cfg_dir)
+    torch.manual_seed(0)
+    model, _, preprocess = open_clip.create_model_and_transforms("tiny-evaluate-test")
+    return model, preprocess, open_clip.get_tokenizer("tiny-evaluate-test")
+
+
+def test_embed_pairs_matches_direct_encoding(tiny_clip, tmp_path):
+    model, preprocess, tokenizer = tiny_clip
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(5):
+        p = tmp_path / f"{i}.png"
+        mode = "L" if i == 0 else "RGB"  # a grayscale file must be converted to RGB
+        shape = (40, 48) if mode == "L" else (40, 48, 3)
+        Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode).save(p)
+        paths.append(str(p))
+    captions = ["a red dress", "a blue car", "a cat on a mat", "two dogs", "a red dress"]
+
+    model.train()
+    img, txt = embed_pairs(model, preprocess, tokenizer, paths, captions, batch_size=2)
+    assert model.training  # mode restored
+    assert img.shape == (5, 32) and txt.shape == (5, 32)
+    assert img.dtype == np.float32 and txt.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(img, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(txt, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_array_equal(txt[0], txt[4])  # identical captions embed identically
+
+    model.eval()
+    with torch.no_grad():
+        x = torch.stack([preprocess(Image.open(p).convert("RGB")) for p in paths])
+        want_img = model.encode_image(x, normalize=True).numpy()
+        want_txt = model.encode_text(tokenizer(captions), normalize=True).numpy()
+    np.testing.assert_allclose(img, want_img, atol=1e-5)
+    np.testing.assert_allclose(txt, want_txt, atol=1e-5)
+
+    img2, txt2 = embed_pairs(model, preprocess, tokenizer, paths, captions, batch_size=256)
+    np.testing.assert_allclose(img2, img, atol=1e-6)  # batching does not change the result
+    np.testing.assert_allclose(txt2, txt, atol=1e-6)
+    img3, txt3 = embed_pairs(model, preprocess, tokenizer, paths, captions, batch_size=2)
+    np.testing.assert_array_equal(img3, img)  # deterministic
+    np.testing.assert_array_equal(txt3, txt)
+
+
+def test_embed_pairs_rejects_mismatched_lengths(tiny_clip):
+    model, preprocess, tokenizer = tiny_clip
+    with pytest.raises(ValueError):
+        embed_pairs(model, preprocess, tokenizer, ["a.png"], [])
+    with pytest.raises(ValueError):
+        embed_pairs(model, preprocess, tokenizer, [], [])

@@ -1,0 +1,85 @@
+"""Ray Data pipelines that turn a task split into model-ready tensors.
+
+Reading, image decoding, augmentation and tokenisation run as Ray Data tasks, off the training
+workers, so a worker's loop only moves ready batches into the model (`get_dataset_shard`).
+"""
+
+from __future__ import annotations
+
+import io
+from functools import lru_cache
+from typing import Callable, Iterable
+
+import numpy as np
+import open_clip
+import ray.data
+from PIL import Image
+
+from training.data.task import DataError, Task
+
+
+@lru_cache(maxsize=4)
+def _tokenizer(spec: str):
+    """One tokenizer per process: building the BPE tables costs more than a batch."""
+    return open_clip.get_tokenizer(spec)
+
+
+def _prepare(batch: dict, *, root: str, preprocess: Callable, tokenizer: str, skip_ids: frozenset) -> dict:
+    keep = [i for i, id_ in enumerate(batch["id"]) if str(id_) not in skip_ids]
+    images = []
+    for i in keep:
+        data = batch["image_bytes"][i] if "image_bytes" in batch else None
+        source = io.BytesIO(data) if data is not None else f"{root}/{batch['image'][i]}"
+        try:
+            with Image.open(source) as img:
+                images.append(preprocess(img.convert("RGB")).numpy())
+        except Exception as exc:  # the file changed after the task was checked
+            raise DataError(f"task {root}: cannot decode image of id {batch['id'][i]!r}: {exc}") from exc
+    captions = [str(batch["caption"][i]) for i in keep]
+    if not keep:
+        return {"image": np.zeros((0, 3, 1, 1), np.float32), "text": np.zeros((0, 1), np.int64)}
+    return {"image": np.stack(images).astype(np.float32), "text": _tokenizer(tokenizer)(captions).numpy()}
+
+
+def read_split(task: Task, split: str) -> ray.data.Dataset:
+    """The raw rows of a split with Ray Data's own readers: `id, image, caption[, image_bytes]`."""
+    spec = task.split(split)
+    files = [str(f) for f in spec.files]
+    if spec.format == "jsonl":
+        return ray.data.read_json(files, lines=True)
+    if spec.format == "csv":
+        return ray.data.read_csv(files)
+    wds = ray.data.read_webdataset(files, decoder=None)
+    return wds.map_batches(_from_webdataset, batch_format="numpy")
+
+
+def _from_webdataset(batch: dict) -> dict:
+    import json
+
+    n = len(batch["__key__"])
+    image_col = next(c for c in ("png", "jpg", "jpeg", "webp") if c in batch)
+    captions = []
+    for i in range(n):
+        if "txt" in batch and batch["txt"][i] is not None:
+            captions.append(bytes(batch["txt"][i]).decode("utf-8").strip())
+        else:
+            captions.append(json.loads(bytes(batch["json"][i]))["caption"])
+    ids = [str(k).rsplit("/", 1)[-1] for k in batch["__key__"]]
+    return {"id": np.array(ids), "image": np.array([f"{k}.{image_col}" for k in batch["__key__"]]),
+            "caption": np.array(captions), "image_bytes": np.array([bytes(b) for b in batch[image_col]], dtype=object)}
+
+
+def training_dataset(tasks: Iterable[tuple[Task, Iterable[str]]], preprocess: Callable, tokenizer: str,
+                     split: str = "train") -> ray.data.Dataset:
+    """Union of the given tasks' splits as `{image: float32[3,H,W], text: int64[L]}` rows.
+
+    Each entry is (task, ids to skip): the ids that checking found bad under the `skip` policy."""
+    parts = []
+    for task, skip_ids in tasks:
+        raw = read_split(task, split)
+        parts.append(raw.map_batches(
+            _prepare, batch_format="numpy", batch_size=64,
+            fn_kwargs={"root": str(task.root), "preprocess": preprocess, "tokenizer": tokenizer,
+                       "skip_ids": frozenset(map(str, skip_ids))},
+        ))
+    return parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])

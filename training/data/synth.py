@@ -1,0 +1,301 @@
+"""Deterministic synthetic continual-learning benchmark (a CPU stand-in for P9D).
+
+Why: CTP's P9D stream (methods/ctp.md §7) is a sequence of product domains with disjoint object
+vocabularies whose images and captions still share attributes and words. That regime is what lets
+knowledge transfer between tasks and be forgotten (DESIGN.md, "Caution"). Here every domain task
+draws its own figure classes in its own visual style, while colour, size, position and background
+words are the same in all tasks. Task sizes follow the P9D shares, and class counts are long-tailed
+(a plateau, then a decay to about 1/10). A last task of real handwritten digits (scikit-learn's
+bundled `load_digits`) adds a shift of image distribution that keeps the colour and background
+words.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from functools import lru_cache
+from itertools import product
+from pathlib import Path
+
+import numpy as np
+import yaml
+from PIL import Image, ImageDraw
+from tqdm import tqdm
+
+P9D_SHARES = (0.217, 0.233, 0.040, 0.037, 0.067, 0.085, 0.090, 0.098, 0.132)  # task-size shares, ctp.md §7
+
+DOMAINS = {
+    "household": ("cup", "lamp", "broom", "bucket", "kettle", "clock", "candle", "vase"),
+    "furnishing": ("chair", "sofa", "table", "shelf", "bed", "mirror", "rug", "stool", "wardrobe"),
+    "food": ("apple", "bread", "cheese", "carrot", "pizza", "cake", "egg"),
+    "beauty": ("lipstick", "perfume", "comb", "lotion", "mascara", "soap", "razor"),
+    "clothing": ("shirt", "hat", "shoe", "sock", "scarf", "glove", "dress", "jacket", "belt", "coat"),
+    "auto": ("tyre", "wrench", "wiper", "battery", "headlight", "jack", "horn", "seatbelt"),
+    "parenting": ("bottle", "rattle", "pacifier", "crib", "stroller", "bib", "diaper", "teddy"),
+    "outdoor": ("tent", "kayak", "compass", "lantern", "backpack", "axe", "rope", "canteen", "hammock"),
+    "electronics": ("phone", "laptop", "camera", "speaker", "headphones", "keyboard", "mouse", "router"),
+}
+# Shared attributes: the same words (and the same drawing) in every task.
+COLOURS = {
+    "red": (220, 40, 40), "orange": (240, 140, 20), "yellow": (235, 210, 30), "green": (40, 160, 60),
+    "blue": (40, 80, 220), "purple": (140, 60, 190), "pink": (240, 110, 180), "black": (30, 30, 30),
+}
+SIZES = {"small": 0.22, "large": 0.38}  # half-extent of the figure, as a fraction of the image side
+POSITIONS = {"top left": (0.3, 0.3), "top right": (0.7, 0.3), "centre": (0.5, 0.5),
+             "bottom left": (0.3, 0.7), "bottom right": (0.7, 0.7)}
+BACKGROUNDS = ("plain", "striped", "dotted", "checkered")
+TEMPLATES = (
+    "a {size} {colour} {obj} in the {pos} on a {bg} background",
+    "a photo of a {size} {colour} {obj} in the {pos} on a {bg} background",
+    "there is a {size} {colour} {obj} in the {pos}, on a {bg} background",
+    "a {bg} background with a {size} {colour} {obj} in the {pos}",
+)
+DIGIT_TEMPLATES = (
+    "a handwritten {colour} digit {obj} on a {bg} background",
+    "a photo of a handwritten {colour} digit {obj} on a {bg} background",
+)
+DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+MIN_TASK_PAIRS = 40
+_DIGITS_TOTAL, _DIGITS_MAX_TEST = 1797, 1500  # load_digits size; every digit has >= 174 images
+_SS = 2  # figures are drawn at _SS x the image size, then box-downsampled (anti-aliasing)
+
+
+def _polygon(k: int, inner: float | None = None, phase: float = np.pi / 2) -> np.ndarray:
+    """Regular k-gon (a star if `inner` is given) on the unit circle."""
+    n = 2 * k if inner else k
+    t = phase + np.arange(n) * 2 * np.pi / n
+    r = np.where(np.arange(n) % 2, inner, 1.0) if inner else np.ones(n)
+    return np.c_[r * np.cos(t), -r * np.sin(t)]
+
+
+_ARC = np.linspace(0, np.pi, 17)
+_BASES = (  # body silhouettes; class j of task i uses _BASES[(j + 3 i) % 10]
+    _polygon(32), _polygon(3), _polygon(4, phase=np.pi / 4), _polygon(5), _polygon(6),
+    _polygon(5, inner=0.45),
+    np.array([(-.3, -1), (.3, -1), (.3, -.3), (1, -.3), (1, .3), (.3, .3), (.3, 1), (-.3, 1),
+              (-.3, .3), (-1, .3), (-1, -.3), (-.3, -.3)]),  # plus
+    np.array([(-.5, -1), (.5, -1), (1, 1), (-1, 1)]),  # trapezoid
+    np.c_[np.cos(_ARC), 0.5 - 1.5 * np.sin(_ARC)],  # dome
+    np.array([(-1, -1), (1, -1), (.2, 0), (1, 1), (-1, 1), (-.2, 0)]),  # hourglass
+)
+
+
+@lru_cache(maxsize=None)
+def _figure(label: str, base: int) -> tuple[tuple[str, np.ndarray], ...]:
+    """A class's fixed figure: a body plus 1-2 accessories, seeded by its name, within the unit square."""
+    rng = np.random.default_rng(zlib.crc32(label.encode()))
+    parts = [("fill", _BASES[base] * rng.permutation([1.0, rng.uniform(0.6, 1.0)]))]  # random aspect
+    for kind in sorted(rng.choice(5, size=rng.integers(1, 3), replace=False)):
+        a = rng.uniform(0, 2 * np.pi)
+        d = np.array([np.cos(a), np.sin(a)])
+        if kind == 0:  # handle
+            parts.append(("line", np.array([0.5 * d, 1.3 * d])))
+        elif kind == 1:  # loop
+            parts.append(("line", d + 0.35 * _polygon(12)[[*range(12), 0]]))
+        elif kind == 2:  # knob
+            parts.append(("dark", 0.9 * d + 0.25 * _polygon(12)))
+        elif kind == 3:  # band across the body
+            y = rng.uniform(-0.4, 0.4)
+            parts.append(("line", np.array([(-0.7, y), (0.7, y)])))
+        else:  # legs
+            parts += [("line", np.array([(-s * 0.5, 0.8), (-s * 0.7, 1.3)])) for s in (1, -1)]
+    extent = max(np.abs(p).max() for _, p in parts)
+    return tuple((kind, p / extent) for kind, p in parts)
+
+
+@lru_cache(maxsize=None)
+def _style(name: str) -> dict:
+    """A task's fixed visual style: background tint, pattern geometry, stroke, noise, palette bias."""
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    tint = rng.uniform(190, 245, 3)
+    return {"tint": tint, "pattern": tint * rng.uniform(0.7, 0.85),
+            "angle": rng.choice([0, np.pi / 2, np.pi / 4, 3 * np.pi / 4]), "period": rng.uniform(5, 8),
+            "stroke": rng.choice([1.0, 1.5, 2.0, 2.5]), "noise": rng.uniform(2, 6),
+            "palette": (p := 1 + 3 * rng.dirichlet(np.ones(len(COLOURS)))) / p.sum()}
+
+
+def _background(bg: str, style: dict, rng: np.random.Generator, w: int) -> np.ndarray:
+    y, x = np.mgrid[0:w, 0:w] + rng.uniform(0, w, (2, 1, 1))  # random pattern phase
+    p = style["period"] * w / 32
+    if bg == "striped":
+        mask = ((x * np.cos(style["angle"]) + y * np.sin(style["angle"])) / p) % 1 < 0.5
+    elif bg == "dotted":
+        mask = (x % p - p / 2) ** 2 + (y % p - p / 2) ** 2 < (p / 4) ** 2
+    elif bg == "checkered":
+        mask = (x // p + y // p) % 2 == 1
+    else:
+        mask = np.zeros((w, w), bool)
+    return np.where(mask[..., None], style["pattern"], style["tint"])
+
+
+def _finish(canvas: np.ndarray | Image.Image, style: dict, rng: np.random.Generator) -> Image.Image:
+    """Downsample the supersampled canvas and add a little pixel noise."""
+    img = canvas if isinstance(canvas, Image.Image) else Image.fromarray(canvas.astype(np.uint8))
+    arr = np.asarray(img.reduce(_SS), dtype=np.float64)
+    return Image.fromarray(np.clip(arr + rng.normal(0, style["noise"], arr.shape), 0, 255).astype(np.uint8))
+
+
+def _draw(label: str, base: int, attrs: tuple, style: dict, rng: np.random.Generator, size: int) -> Image.Image:
+    colour, size_word, pos, bg = attrs
+    w = size * _SS
+    img = Image.fromarray(_background(bg, style, rng, w).astype(np.uint8))
+    draw = ImageDraw.Draw(img)
+    t = rng.uniform(-0.3, 0.3)
+    rot = np.array([[np.cos(t), -np.sin(t)], [np.sin(t), np.cos(t)]]) * SIZES[size_word] * w * rng.uniform(0.9, 1.1)
+    centre = (np.array(POSITIONS[pos]) + rng.uniform(-0.03, 0.03, 2)) * w
+    ink = np.clip(np.array(COLOURS[colour]) + rng.integers(-12, 13, 3), 0, 255)
+    fill, dark = tuple(int(c) for c in ink), tuple(int(c) for c in ink // 2)
+    stroke = max(1, round(style["stroke"] * w / 32))
+    for kind, pts in _figure(label, base):
+        xy = [tuple(p) for p in (pts @ rot.T + centre).tolist()]
+        if kind == "fill":
+            draw.polygon(xy, fill=fill, outline=dark, width=max(1, stroke // 2))
+        elif kind == "dark":
+            draw.polygon(xy, fill=dark)
+        else:
+            draw.line(xy, fill=dark, width=stroke, joint="curve")
+    return _finish(img, style, rng)
+
+
+def _allocate(total: int, weights) -> np.ndarray:
+    """Split `total` in proportion to `weights` (largest remainder)."""
+    q = total * np.asarray(weights, float) / np.sum(weights)
+    n = np.floor(q).astype(int)
+    n[np.argsort(n - q, kind="stable")[: total - n.sum()]] += 1
+    return n
+
+
+def _long_tail(n_classes: int, total: int) -> np.ndarray:
+    """Per-class counts: a plateau over the first ~40% of classes, then a decay to 1/10; at least 1 each."""
+    k = np.arange(n_classes)
+    plateau = max(1, round(0.4 * n_classes))
+    w = np.where(k < plateau, 1.0, 0.1 ** ((k - plateau + 1) / max(1, n_classes - plateau)))
+    return 1 + _allocate(total - n_classes, w)
+
+
+def _attrs(rng: np.random.Generator, palette) -> tuple:
+    """Random (colour, size, position, background) for a training pair; colours follow the task's palette bias."""
+    return (list(COLOURS)[rng.choice(len(COLOURS), p=palette)], list(SIZES)[rng.integers(len(SIZES))],
+            list(POSITIONS)[rng.integers(len(POSITIONS))], BACKGROUNDS[rng.integers(len(BACKGROUNDS))])
+
+
+def _distinct(rng: np.random.Generator, combos: list, labels: list) -> list:
+    """One attribute combination per test label, distinct within each label while there are enough."""
+    per = {c: iter(rng.permutation(len(combos))) for c in sorted(set(labels))}
+    out = []
+    for c in labels:
+        k = next(per[c], None)
+        out.append(combos[k if k is not None else rng.integers(len(combos))])
+    return out
+
+
+def _domain_task(name: str, classes: tuple, index: int, n_train: int, n_test: int, seed: int, size: int):
+    style = _style(name)
+    bases = {c: (j + 3 * index) % len(_BASES) for j, c in enumerate(classes)}
+    rng = np.random.default_rng([seed, index])
+    order = [classes[j] for j in rng.permutation(len(classes))]  # which classes are head vs tail
+    train = [c for c, n in zip(order, _long_tail(len(classes), n_train)) for _ in range(n)]
+    train = [train[j] for j in rng.permutation(len(train))]
+    test = [order[j % len(order)] for j in range(n_test)]
+    combos = list(product(COLOURS, SIZES, POSITIONS, BACKGROUNDS))
+
+    def pairs(labels, attrs):
+        for c, a in zip(labels, attrs):
+            caption = TEMPLATES[rng.integers(len(TEMPLATES))].format(
+                size=a[1], colour=a[0], obj=c, pos=a[2], bg=a[3])
+            yield _draw(c, bases[c], a, style, rng, size), caption, c
+
+    return {"train": pairs(train, [_attrs(rng, style["palette"]) for _ in train]),
+            "test": pairs(test, _distinct(rng, combos, test))}
+
+
+def _digits_task(index: int, n_train: int, n_test: int, seed: int, size: int):
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    style = _style("digits")
+    rng = np.random.default_rng([seed, index])
+    by_label = [rng.permutation(np.flatnonzero(y == d)) for d in range(10)]
+    test = [int(by_label[j % 10][j // 10]) for j in range(n_test)]
+    train = rng.permutation(np.setdiff1d(np.arange(len(y)), test))[:n_train].tolist()
+    combos = list(product(COLOURS, BACKGROUNDS))
+    w = size * _SS
+
+    def pairs(idx, attrs):
+        for i, (colour, bg) in zip(idx, attrs):
+            glyph = Image.fromarray((x[i].reshape(8, 8) * 255 / 16).astype(np.uint8)).resize((w, w), Image.BILINEAR)
+            alpha = np.asarray(glyph, dtype=np.float64)[..., None] / 255
+            canvas = _background(bg, style, rng, w) * (1 - alpha) + np.array(COLOURS[colour]) * alpha
+            name = DIGIT_NAMES[y[i]]
+            caption = DIGIT_TEMPLATES[rng.integers(len(DIGIT_TEMPLATES))].format(colour=colour, obj=name, bg=bg)
+            yield _finish(canvas, style, rng), caption, name
+
+    train_attrs = [_attrs(rng, style["palette"]) for _ in train]
+    return {"train": pairs(train, [(a[0], a[3]) for a in train_attrs]),
+            "test": pairs(test, _distinct(rng, combos, [int(y[i]) for i in test]))}
+
+
+def _write_task(tdir: Path, meta: dict, splits: dict, bar: tqdm) -> None:
+    tdir.mkdir(parents=True)
+    (tdir / "task.yaml").write_text(yaml.safe_dump(meta, sort_keys=False), encoding="utf-8")
+    for split, pairs in splits.items():
+        (tdir / "images" / split).mkdir(parents=True)
+        with open(tdir / f"{split}.jsonl", "w", encoding="utf-8", newline="\n") as f:
+            for k, (img, caption, label) in enumerate(pairs):
+                rel = f"images/{split}/{k:06d}.png"
+                img.save(tdir / rel, format="PNG")
+                row = {"id": f"{tdir.name}-{split}-{k:06d}", "image": rel, "caption": caption, "label": label}
+                f.write(json.dumps(row) + "\n")
+                bar.update()
+
+
+def synthesize(out: str | Path, tasks: int = 4, seed: int = 0, *, image_size: int = 32,
+               train_pairs: int = 2000, test_per_task: int = 64, digits: bool = True,
+               progress: bool = True) -> list[Path]:
+    """Write `tasks` domain tasks (+ the digits task if digits=True, as the LAST task) under `out`; return the task dirs in stream order.
+
+    The domain tasks share `train_pairs` in the P9D shares; the digits task gets the next share at
+    the same scale (capped by the images left after its test split).
+    """
+    out = Path(out)
+    if tasks < 1:
+        raise ValueError(f"tasks must be >= 1, got {tasks}")
+    if image_size < 16:
+        raise ValueError(f"image_size must be >= 16, got {image_size}")
+    if test_per_task < 1:
+        raise ValueError(f"test_per_task must be >= 1, got {test_per_task}")
+    if digits and test_per_task > _DIGITS_MAX_TEST:
+        raise ValueError(f"test_per_task={test_per_task} leaves too few digit images; use <= {_DIGITS_MAX_TEST}")
+    shares = [P9D_SHARES[i % len(P9D_SHARES)] for i in range(tasks)]
+    sizes = _allocate(train_pairs, shares) if train_pairs > 0 else np.zeros(tasks, int)
+    if sizes.min() < MIN_TASK_PAIRS:
+        raise ValueError(f"train_pairs={train_pairs} is too small for {tasks} tasks: the P9D shares give "
+                         f"task sizes {sizes.tolist()}, need >= {MIN_TASK_PAIRS} pairs per task")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"refusing to write into non-empty {out}")
+    share = P9D_SHARES[tasks % len(P9D_SHARES)] * train_pairs / sum(shares)
+    n_digits = min(max(MIN_TASK_PAIRS, round(share)), _DIGITS_TOTAL - test_per_task) if digits else 0
+    total = int(sizes.sum()) + n_digits + (tasks + digits) * test_per_task
+
+    dirs = []
+    with tqdm(total=total, desc="synth", unit="pair", disable=not progress) as bar:
+        for i in range(tasks):
+            base = list(DOMAINS)[i % len(DOMAINS)]
+            suffix = str(i // len(DOMAINS) + 1) if i >= len(DOMAINS) else ""
+            name, classes = base + suffix, tuple(c + suffix for c in DOMAINS[base])
+            tdir = out / f"task-{i:02d}-{name}"
+            meta = {"name": tdir.name, "kind": "domain", "index": i,
+                    "description": f"Synthetic '{name}' domain: {len(classes)} object classes drawn as figures, "
+                                   "with colour, size, position and background words shared by all tasks.",
+                    "splits": {"train": "train.jsonl", "test": "test.jsonl"}, "classes": list(classes)}
+            _write_task(tdir, meta, _domain_task(name, classes, i, int(sizes[i]), test_per_task, seed, image_size), bar)
+            dirs.append(tdir)
+        if digits:
+            tdir = out / f"task-{tasks:02d}-digits"
+            meta = {"name": tdir.name, "kind": "domain", "index": tasks,
+                    "description": "Handwritten digits (scikit-learn load_digits, 8x8) upscaled, with coloured ink "
+                                   "on the shared background patterns.",
+                    "splits": {"train": "train.jsonl", "test": "test.jsonl"}, "classes": list(DIGIT_NAMES)}
+            _write_task(tdir, meta, _digits_task(tasks, n_digits, test_per_task, seed, image_size), bar)
+            dirs.append(tdir)
+    return dirs

@@ -1,0 +1,185 @@
+"""One task's train loop on a DeepSpeed engine, run by every Ray Train worker.
+
+The step is plain: forward both towers, CLIP loss over the gathered batch plus the method's terms,
+`engine.backward`, `engine.step`. Checkpoints are DeepSpeed's own (every rank writes its shard) and
+are reported to Ray Train each epoch, so a restarted worker group resumes from the last epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import deepspeed
+import ray.train
+import torch
+
+from training import methods, models
+from training.losses import clip_loss
+from training.methods.base import Features, TaskContext
+
+STATE_FILE = "train_state.json"
+METHOD_STATE_FILE = "method_state.pt"
+EXPORT_DIR = "export"
+CKPT_TAG = "last"
+
+
+def deepspeed_config(train: dict, world_size: int, total_steps: int) -> dict:
+    """DeepSpeed JSON config from a preset's `train` section."""
+    precision = train["precision"]
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
+    return {
+        "train_micro_batch_size_per_gpu": train["micro_batch"],
+        "gradient_accumulation_steps": train["grad_accum"],
+        "train_batch_size": train["micro_batch"] * train["grad_accum"] * world_size,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": train["lr"], "betas": list(train["betas"]), "eps": train["eps"],
+                       "weight_decay": train["weight_decay"], "torch_adam": not torch.cuda.is_available()},
+        },
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {"total_num_steps": max(total_steps, 1), "warmup_num_steps": min(train["warmup_steps"], max(total_steps - 1, 0)),
+                       "warmup_type": "linear", "cos_min_ratio": train["min_lr_ratio"]},
+        },
+        "gradient_clipping": train["grad_clip"],
+        "zero_optimization": {"stage": train["zero_stage"]},
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16"},
+        "steps_per_print": 10**9,
+    }
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """open_clip's split: no decay on gains, biases, embeddings and the logit scale."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        exclude = param.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name or "embedding" in name
+        (no_decay if exclude else decay).append(param)
+    return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
+
+
+def train_loop(config: dict) -> None:
+    """`TorchTrainer` entry point. `config`: the resolved preset plus `model_source`, `parent_state`,
+    `steps_per_epoch`, `task_index`, `tracking` (MLflow URI and run id for live metrics)."""
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    train = config["train"]
+    torch.manual_seed(train["seed"] + rank)
+
+    bundle = models.create(config["model"]["arch"], config["model_source"])
+    model = models.prepare_for_deepspeed(bundle.model)
+    method = methods.build(config)
+    if config.get("parent_state"):
+        method.load_state_dict(torch.load(config["parent_state"], weights_only=False))
+
+    steps_per_epoch = config["steps_per_epoch"]
+    total = steps_per_epoch * train["epochs"] // train["grad_accum"]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, train["weight_decay"]),
+                                      config=deepspeed_config(train, world, total))
+    task_ctx = TaskContext(model=engine.module, task_index=config["task_index"], rank=rank, world_size=world,
+                           device=engine.device, params=method.params)
+
+    start_epoch = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as folder:
+            engine.load_checkpoint(folder, tag=CKPT_TAG)
+            state = json.loads((Path(folder) / STATE_FILE).read_text())
+            method.load_state_dict(torch.load(Path(folder) / METHOD_STATE_FILE, weights_only=False))
+        start_epoch, task_ctx.step = state["epoch"] + 1, state["step"]
+    else:
+        method.before_task(task_ctx)
+
+    logger = _MetricLogger(config.get("tracking"), rank)
+    shard = ray.train.get_dataset_shard("train")
+    for epoch in range(start_epoch, train["epochs"]):
+        _maybe_fail(epoch, rank)
+        engine.train()
+        batches = shard.iter_torch_batches(batch_size=train["micro_batch"], drop_last=True, device=engine.device,
+                                           local_shuffle_buffer_size=train["shuffle_buffer"],
+                                           local_shuffle_seed=train["seed"] + 1000 * epoch + rank,
+                                           dtypes={"image": torch.float32, "text": torch.long})
+        tic, seen = time.perf_counter(), 0
+        for i, batch in enumerate(batches):
+            if i >= steps_per_epoch:  # equal steps on every rank, or collectives would hang
+                break
+            image, text = engine(batch["image"], batch["text"])[:2]
+            feats = Features(image, text, engine.module.logit_scale.exp())
+            terms = {"clip": clip_loss(image, text, feats.logit_scale)}
+            terms.update(method.loss_terms(task_ctx, batch, feats))
+            loss = sum(terms.values())
+            engine.backward(loss)
+            engine.step()
+            method.after_step(task_ctx)
+            task_ctx.step += 1
+            seen += batch["image"].shape[0]
+            if task_ctx.step % train["log_every"] == 0:
+                logger.log(task_ctx.step, {"loss": loss, **{f"loss/{k}": v for k, v in terms.items()}},
+                           lr=engine.get_lr()[0], samples_per_s=seen * world / (time.perf_counter() - tic), epoch=epoch)
+        if epoch == train["epochs"] - 1:
+            method.after_task(task_ctx)
+        _report_epoch(engine, method, bundle, epoch, task_ctx.step, rank,
+                      {"epoch": epoch, "step": task_ctx.step, "loss": float(loss.detach()),
+                       "samples_per_s": seen * world / max(time.perf_counter() - tic, 1e-9)})
+
+
+def _report_epoch(engine, method, bundle, epoch: int, step: int, rank: int, metrics: dict) -> None:
+    """Every rank saves its DeepSpeed shard; rank 0 adds the method state, position and an open_clip export."""
+    with tempfile.TemporaryDirectory() as folder:
+        engine.save_checkpoint(folder, tag=CKPT_TAG)
+        if rank == 0:
+            (Path(folder) / STATE_FILE).write_text(json.dumps({"epoch": epoch, "step": step}))
+            torch.save(method.state_dict(), Path(folder) / METHOD_STATE_FILE)
+            bundle.model = engine.module
+            models.export(bundle, Path(folder) / EXPORT_DIR)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
+
+
+class _MetricLogger:
+    """Rank 0 streams step metrics into the task's MLflow run and prints a progress line."""
+
+    def __init__(self, tracking: dict | None, rank: int):
+        self.rank, self.client, self.run_id = rank, None, None
+        if tracking and rank == 0:
+            from mlflow import MlflowClient
+
+            self.client, self.run_id = MlflowClient(tracking["uri"]), tracking["run_id"]
+
+    def log(self, step: int, losses: dict, **extra) -> None:
+        values = {k: _mean_across_ranks(v) for k, v in losses.items()}  # a collective: every rank calls it
+        if self.rank != 0:
+            return
+        values.update(extra)
+        print(f"[train] step {step} " + " ".join(f"{k}={v:.4g}" for k, v in values.items()), flush=True)
+        if self.client:
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            self.client.log_batch(self.run_id, [Metric(k, float(v), now, step) for k, v in values.items()], synchronous=False)
+
+
+def _mean_across_ranks(value: torch.Tensor) -> float:
+    value = value.detach().float().reshape(1).clone()
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(value)
+        value /= torch.distributed.get_world_size()
+    return float(value)
+
+
+def _maybe_fail(epoch: int, rank: int) -> None:
+    """Kill this worker once, for real, when CLIPSTREAM_FAIL_ONCE=`epoch:rank:marker-file` says so:
+    the only way to test that a job survives a dead worker without a cluster to break."""
+    spec = os.environ.get("CLIPSTREAM_FAIL_ONCE")
+    if not spec:
+        return
+    at_epoch, at_rank, marker = spec.split(":", 2)
+    if epoch == int(at_epoch) and rank == int(at_rank) and not os.path.exists(marker):
+        Path(marker).write_text("failed once\n")
+        os._exit(1)

@@ -1,0 +1,277 @@
+"""Retrieval evaluation for the task stream: R@K / Rm, task-known and task-unknown galleries,
+the R[i][j] result matrix with AA / forgetting / BWT, and embedding a split with an open_clip model.
+
+Metric definitions follow shared/methods/ctp.md §5 and continual-cross-modal-retrieval.md §1, §4:
+rank by cosine of L2-normalised embeddings, a query hits at K when any positive is in its top K.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from matplotlib.figure import Figure
+from PIL import Image
+
+KS = (1, 5, 10)
+_QUERY_CHUNK = 2048  # query rows scored at once, so union galleries never need a full [Q, G] matrix
+
+
+def positives(image_keys: Sequence[str], captions: Sequence[str]) -> np.ndarray:
+    """bool [N, N]: image row i matches text row j when i == j, they share an image key or the caption
+    text is identical. Datasets repeat images (several captions each) and captions ("a red dress"), so
+    counting only the diagonal would punish a model for retrieving an equally correct item."""
+    if len(image_keys) != len(captions):
+        raise ValueError(f"{len(image_keys)} image keys but {len(captions)} captions")
+    key = np.unique(np.asarray(image_keys, dtype=object), return_inverse=True)[1]
+    cap = np.unique(np.asarray(captions, dtype=object), return_inverse=True)[1]
+    return (key[:, None] == key[None, :]) | (cap[:, None] == cap[None, :]) | np.eye(len(key), dtype=bool)
+
+
+def _first_hit_rank(scores: np.ndarray, positive: np.ndarray) -> np.ndarray:
+    """0-based rank of each query's best positive under a pessimistic tie rule: every negative scoring
+    >= the best positive is ranked above it. Ties between positives cannot matter (one of them comes
+    first either way), which keeps identical captions hits; ties with negatives never favour positives.
+    The result depends only on the scores, not on gallery order, so it is deterministic."""
+    if scores.shape != positive.shape:
+        raise ValueError(f"scores {scores.shape} and positive {positive.shape} differ in shape")
+    if not np.isfinite(scores).all():
+        raise ValueError("non-finite scores (NaN/inf embeddings?) would rank as hits")
+    missing = ~positive.any(axis=1)
+    if missing.any():
+        raise ValueError(
+            f"{int(missing.sum())} queries have no positive in the gallery, e.g. row {int(missing.argmax())}"
+        )
+    best = np.where(positive, scores, -np.inf).max(axis=1, keepdims=True)
+    return ((scores >= best) & ~positive).sum(axis=1)
+
+
+def _recall(ranks: np.ndarray, ks: Sequence[int]) -> dict[int, float]:
+    return {k: float(np.mean(ranks < k)) for k in ks}
+
+
+def recall_at_k(scores: np.ndarray, positive: np.ndarray, ks: Sequence[int] = KS) -> dict[int, float]:
+    """Fraction of queries (rows of scores [Q, G]) with any positive in the top K; see _first_hit_rank
+    for ties. A query without a positive raises ValueError: it would silently deflate the score."""
+    return _recall(_first_hit_rank(np.asarray(scores), np.asarray(positive, dtype=bool)), ks)
+
+
+def _directional(queries: np.ndarray, gallery: np.ndarray, positive: np.ndarray) -> dict[int, float]:
+    """recall_at_k of queries against gallery by cosine (dot product of unit rows), in query chunks."""
+    ranks = [
+        _first_hit_rank(queries[s : s + _QUERY_CHUNK] @ gallery.T, positive[s : s + _QUERY_CHUNK])
+        for s in range(0, len(queries), _QUERY_CHUNK)
+    ]
+    return _recall(np.concatenate(ranks), KS)
+
+
+def _as_percent(i2t: dict[int, float], t2i: dict[int, float]) -> dict[str, float]:
+    out = {f"{name}_R@{k}": 100.0 * r[k] for name, r in (("i2t", i2t), ("t2i", t2i)) for k in KS}
+    out["Rm"] = float(np.mean(list(out.values())))
+    return out
+
+
+def retrieval_metrics(img: np.ndarray, txt: np.ndarray, positive: np.ndarray) -> dict[str, float]:
+    """Image->text and text->image R@1/5/10 on one gallery plus Rm (their mean), in percent as the
+    papers report. img [N_img, D], txt [N_txt, D], positive bool [N_img, N_txt]."""
+    positive = np.asarray(positive, dtype=bool)
+    return _as_percent(_directional(img, txt, positive), _directional(txt, img, positive.T))
+
+
+@dataclass
+class Embedded:
+    """One task's test split embedded by one model: unit rows, and which image matches which text."""
+
+    task: str
+    img: np.ndarray  # [N_img, D] float32
+    txt: np.ndarray  # [N_txt, D] float32
+    positive: np.ndarray  # bool [N_img, N_txt]
+
+    def __post_init__(self) -> None:
+        if self.positive.shape != (len(self.img), len(self.txt)):
+            raise ValueError(
+                f"task {self.task!r}: positive {self.positive.shape} does not match "
+                f"{len(self.img)} images x {len(self.txt)} texts"
+            )
+
+
+def evaluate_seen(embedded: Sequence[Embedded]) -> dict[str, dict[str, dict[str, float]]]:
+    """{'known': {task: metrics}, 'unknown': {task: metrics}}. Task-known ranks a task's queries in its
+    own gallery; task-unknown ranks them in the union of all tasks' galleries (raw cosine, no per-task
+    normalisation), where other tasks' items are negatives that can distract the query."""
+    names = [e.task for e in embedded]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate task names: {names}")
+    all_img = np.concatenate([e.img for e in embedded])
+    all_txt = np.concatenate([e.txt for e in embedded])
+    img_start = np.cumsum([0] + [len(e.img) for e in embedded])
+    txt_start = np.cumsum([0] + [len(e.txt) for e in embedded])
+    known, unknown = {}, {}
+    for t, e in enumerate(embedded):
+        known[e.task] = retrieval_metrics(e.img, e.txt, e.positive)
+        i2t = np.zeros((len(e.img), len(all_txt)), dtype=bool)
+        i2t[:, txt_start[t] : txt_start[t + 1]] = e.positive
+        t2i = np.zeros((len(e.txt), len(all_img)), dtype=bool)
+        t2i[:, img_start[t] : img_start[t + 1]] = e.positive.T
+        unknown[e.task] = _as_percent(_directional(e.img, all_txt, i2t), _directional(e.txt, all_img, t2i))
+    return {"known": known, "unknown": unknown}
+
+
+class ResultMatrix:
+    """R[i][j] = score (e.g. Rm) of the model after task i on task j, j <= i; NaN above the diagonal.
+    Grows one row per task, so AA, forgetting and BWT can be read after every task of the stream."""
+
+    def __init__(self, tasks: list[str] | None = None, rows: list[list[float]] | None = None):
+        tasks, rows = list(tasks or []), [list(map(float, r)) for r in rows or []]
+        if len(tasks) != len(rows) or len(set(tasks)) != len(tasks):
+            raise ValueError(f"need one row per distinct task, got tasks {tasks} and {len(rows)} rows")
+        for i, row in enumerate(rows):
+            if len(row) != i + 1 or not all(map(math.isfinite, row)):
+                raise ValueError(f"row {i} must hold {i + 1} finite scores, got {row}")
+        self.tasks, self._rows = tasks, rows
+
+    def add_row(self, task: str, scores: dict[str, float]) -> None:
+        """Append the evaluation after training on `task`: scores for every seen task and `task`."""
+        if task in self.tasks:
+            raise ValueError(f"task {task!r} already has a row")
+        order = self.tasks + [task]
+        missing, unknown = set(order) - set(scores), set(scores) - set(order)
+        if missing or unknown:
+            raise ValueError(
+                f"scores after {task!r}: missing tasks {sorted(missing)}, unknown tasks {sorted(unknown)}"
+            )
+        row = [float(scores[name]) for name in order]
+        if not all(map(math.isfinite, row)):
+            raise ValueError(f"scores after {task!r} must be finite, got {row}")
+        self.tasks, self._rows = order, self._rows + [row]
+
+    @property
+    def values(self) -> np.ndarray:
+        """[T, T] float array, NaN above the diagonal."""
+        out = np.full((len(self.tasks), len(self.tasks)), np.nan)
+        for i, row in enumerate(self._rows):
+            out[i, : i + 1] = row
+        return out
+
+    def average_accuracy(self, t: int | None = None) -> float:
+        """AA_t = mean over j <= t of R[t][j]; t defaults to the last row."""
+        if not self.tasks:
+            raise ValueError("empty result matrix")
+        t = len(self.tasks) - 1 if t is None else t
+        if not 0 <= t < len(self.tasks):
+            raise IndexError(f"row {t} out of range for {len(self.tasks)} tasks")
+        return float(np.mean(self._rows[t]))
+
+    def forgetting(self) -> dict[str, float]:
+        """F_j = max over earlier rows l in [j, T-2] of R[l][j], minus R[T-1][j], for each j < T-1."""
+        v, last = self.values, len(self.tasks) - 1
+        return {self.tasks[j]: float(v[j:last, j].max() - v[last, j]) for j in range(last)}
+
+    def mean_forgetting(self) -> float:
+        """Mean of forgetting() over tasks; 0.0 with fewer than two tasks (nothing could be forgotten)."""
+        f = self.forgetting()
+        return float(np.mean(list(f.values()))) if f else 0.0
+
+    def bwt(self) -> float:
+        """Backward transfer: mean over j < T-1 of R[T-1][j] - R[j][j]; 0.0 with fewer than two tasks."""
+        v, last = self.values, len(self.tasks) - 1
+        return float(np.mean([v[last, j] - v[j, j] for j in range(last)])) if last > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        """JSON-ready: tasks, the square matrix with None above the diagonal, and the summary numbers."""
+        return {
+            "tasks": list(self.tasks),
+            "values": [row + [None] * (len(self.tasks) - len(row)) for row in self._rows],
+            "average_accuracy": self.average_accuracy() if self.tasks else None,
+            "forgetting": self.forgetting(),
+            "mean_forgetting": self.mean_forgetting(),
+            "bwt": self.bwt(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ResultMatrix:
+        """Inverse of to_dict (summary numbers are recomputed, not read)."""
+        return cls(d["tasks"], [row[: i + 1] for i, row in enumerate(d["values"])])
+
+    def heatmap(self, path: str | Path, title: str = "R[i][j] (Rm)") -> Path:
+        """Write the matrix as an annotated PNG heatmap (blank above the diagonal); returns the path.
+        Uses a bare Figure (Agg canvas) so no pyplot/global backend state is touched."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        v, n = self.values, len(self.tasks)
+        fig = Figure(figsize=(1.6 + 0.9 * max(n, 2), 1.2 + 0.8 * max(n, 2)))
+        ax = fig.add_subplot()
+        im = ax.imshow(np.ma.masked_invalid(v), cmap="viridis")
+        lo, hi = im.get_clim()
+        for i in range(n):
+            for j in range(i + 1):
+                dark = hi == lo or (v[i, j] - lo) / (hi - lo) < 0.5
+                ax.text(j, i, f"{v[i, j]:.1f}", ha="center", va="center", color="white" if dark else "black")
+        ax.set_xticks(range(n), self.tasks, rotation=45, ha="right")
+        ax.set_yticks(range(n), self.tasks)
+        ax.set_xlabel("on task j")
+        ax.set_ylabel("after task i")
+        ax.set_title(title)
+        fig.colorbar(im, ax=ax)
+        fig.tight_layout()
+        fig.savefig(path, format="png", dpi=100)
+        return path
+
+    def format_table(self) -> str:
+        """Fixed-width text table (rows: after task i, columns: on task j, last column AA_i) followed by
+        the final AA, per-task forgetting and BWT, for the CLI."""
+        head = "after \\ on"
+        w = max([8] + [len(t) + 1 for t in self.tasks])
+        lw = max(len(head), w)
+        lines = [head.ljust(lw) + "".join(t.rjust(w) for t in self.tasks) + "AA".rjust(w)]
+        for i, (task, row) in enumerate(zip(self.tasks, self._rows)):
+            cells = [f"{x:.2f}".rjust(w) for x in row] + [" " * w] * (len(self.tasks) - len(row))
+            lines.append(task.ljust(lw) + "".join(cells) + f"{self.average_accuracy(i):.2f}".rjust(w))
+        if self.tasks:
+            lines.append(f"AA (after {self.tasks[-1]}): {self.average_accuracy():.2f}")
+        per_task = ", ".join(f"{t} {f:.2f}" for t, f in self.forgetting().items())
+        per_task = f" ({per_task})" if per_task else ""
+        lines.append(f"forgetting: mean {self.mean_forgetting():.2f}{per_task}")
+        lines.append(f"BWT: {self.bwt():.2f}")
+        return "\n".join(lines)
+
+
+@torch.no_grad()
+def embed_pairs(
+    model,
+    preprocess,
+    tokenizer,
+    image_paths: Sequence[str],
+    captions: Sequence[str],
+    batch_size: int = 256,
+    device: str | torch.device = "cpu",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Embed a split's images (PIL -> RGB -> preprocess) and captions (tokenizer) with an open_clip model
+    in eval mode; returns float32 numpy [N, D] arrays with unit rows. The model's train/eval mode is
+    restored afterwards, so this can run between training steps."""
+    if len(image_paths) != len(captions):
+        raise ValueError(f"{len(image_paths)} images but {len(captions)} captions")
+    if not image_paths:
+        raise ValueError("nothing to embed")
+    dtype = next(model.parameters()).dtype
+    was_training = model.training
+    model.eval()
+    try:
+        img, txt = [], []
+        for s in range(0, len(image_paths), batch_size):
+            pixels = []
+            for p in image_paths[s : s + batch_size]:
+                with Image.open(p) as im:
+                    pixels.append(preprocess(im.convert("RGB")))
+            x = torch.stack(pixels).to(device=device, dtype=dtype)
+            img.append(F.normalize(model.encode_image(x, normalize=True).float(), dim=-1).cpu())
+            tokens = tokenizer(list(captions[s : s + batch_size])).to(device)
+            txt.append(F.normalize(model.encode_text(tokens, normalize=True).float(), dim=-1).cpu())
+    finally:
+        model.train(was_training)
+    return torch.cat(img).numpy(), torch.cat(txt).numpy()

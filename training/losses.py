@@ -1,0 +1,41 @@
+"""Contrastive losses over features gathered from every worker.
+
+Each worker scores its local rows against the global batch, so the loss and its gradients equal a
+single process training on the whole batch (the rank-r positives sit at column r*B + i).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+import torch.nn.functional as F
+
+
+def world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather(features: torch.Tensor) -> torch.Tensor:
+    """Concatenate every worker's features in rank order, keeping the autograd graph."""
+    _, size = world()
+    if size == 1:
+        return features
+    return torch.cat(dist_fn.all_gather(features), dim=0)
+
+
+def positive_columns(local_batch: int, device=None) -> torch.Tensor:
+    """Column of each local row's positive inside the gathered batch."""
+    rank, _ = world()
+    return torch.arange(local_batch, device=device) + rank * local_batch
+
+
+def clip_loss(image: torch.Tensor, text: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
+    """Symmetric InfoNCE of open_clip's `ClipLoss(local_loss=True, gather_with_grad=True)`."""
+    all_image, all_text = gather(image), gather(text)
+    labels = positive_columns(image.shape[0], image.device)
+    logits_i2t = logit_scale * image @ all_text.T
+    logits_t2i = logit_scale * text @ all_image.T
+    return (F.cross_entropy(logits_i2t, labels) + F.cross_entropy(logits_t2i, labels)) / 2
