@@ -100,7 +100,7 @@ def train_loop(config: dict) -> None:
     logger = _MetricLogger(config.get("tracking"), rank)
     shard = ray.train.get_dataset_shard("train")
     for epoch in range(start_epoch, train["epochs"]):
-        _maybe_fail(epoch, rank)
+        _maybe_fail(config.get("fail_once"), epoch, rank)
         engine.train()
         batches = shard.iter_torch_batches(batch_size=train["micro_batch"], drop_last=True, device=engine.device,
                                            local_shuffle_buffer_size=train["shuffle_buffer"],
@@ -173,10 +173,9 @@ def _mean_across_ranks(value: torch.Tensor) -> float:
     return float(value)
 
 
-def _maybe_fail(epoch: int, rank: int) -> None:
-    """Kill this worker once, for real, when CLIPSTREAM_FAIL_ONCE=`epoch:rank:marker-file` says so:
-    the only way to test that a job survives a dead worker without a cluster to break."""
-    spec = os.environ.get("CLIPSTREAM_FAIL_ONCE")
+def _maybe_fail(spec: str | None, epoch: int, rank: int) -> None:
+    """Kill this worker once, for real, when CLIPSTREAM_FAIL_ONCE=`epoch:rank:marker-file` was set for
+    the job: the way to test that a job survives a dead worker without a cluster to break."""
     if not spec:
         return
     at_epoch, at_rank, marker = spec.split(":", 2)

@@ -275,3 +275,26 @@ def embed_pairs(
     finally:
         model.train(was_training)
     return torch.cat(img).numpy(), torch.cat(txt).numpy()
+
+
+def embed_task(bundle, task, split: str = "test", batch_size: int = 256) -> Embedded:
+    """A task split embedded by a model bundle (`training.models.ClipBundle`), ready for `evaluate_seen`."""
+    import io
+
+    rows = task.check(split).rows
+    images = [io.BytesIO(r["image_bytes"]) if "image_bytes" in r else str(task.root / r["image"]) for r in rows]
+    captions = [str(r["caption"]) for r in rows]
+    img, txt = embed_pairs(bundle.model, bundle.preprocess_val, bundle.tokenizer, images, captions, batch_size)
+    return Embedded(task.name, img, txt, positives([str(r["image"]) for r in rows], captions))
+
+
+def format_scores(scores: dict[str, dict[str, dict[str, float]]]) -> str:
+    """`evaluate_seen` output as one fixed-width table per gallery mode."""
+    lines = []
+    for mode, per_task in scores.items():
+        keys = list(next(iter(per_task.values())))
+        lines.append(f"task-{mode}")
+        lines.append(f"{'task':<24}" + "".join(f"{k:>11}" for k in keys))
+        for name, metrics in per_task.items():
+            lines.append(f"{name:<24}" + "".join(f"{metrics[k]:>11.1f}" for k in keys))
+    return "\n".join(lines)

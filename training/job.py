@@ -14,6 +14,7 @@ from typing import Iterable, Optional
 
 import mlflow
 import ray
+import ray.data
 import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
@@ -42,8 +43,6 @@ class TaskResult:
 def init_ray(settings: Settings, num_cpus: Optional[int] = None) -> None:
     if ray.is_initialized():
         return
-    import ray.data
-
     ray.data.DataContext.get_current().enable_progress_bars = False
     if settings.ray_address:
         ray.init(address=settings.ray_address, log_to_driver=True)
@@ -93,7 +92,8 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
 
     tags = {"task": task.name, "task_index": str(len(history)), "method": method_obj.name,
             "parent_version": parent_v.version if parent_v else "", "data_sha": current["data_sha"]}
-    with registry.run(f"{len(history):02d}-{task.name}-{method_obj.name}", tags) as run_id:
+    run_name = f"{len(history):02d}-{task.name}-{method_obj.name}"
+    with registry.run(run_name, tags) as run_id:
         mlflow.log_params({**_flatten(config), "task": task.name, "parent": parent or "", "workers": workers,
                            "train_rows": rows})
         mlflow.log_dict(config, "config.json")
@@ -108,13 +108,13 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
             scaling_config=ScalingConfig(num_workers=workers, use_gpu=torch.cuda.is_available(),
                                          resources_per_worker=None if torch.cuda.is_available() else {"CPU": 0.5}),
             run_config=RunConfig(name=f"{settings.stream}-{run_id}", storage_path=str(settings.runs_dir),
-                                 failure_config=FailureConfig(max_failures=2),
+                                 failure_config=FailureConfig(max_failures=train_cfg["max_failures"]),
                                  checkpoint_config=CheckpointConfig(num_to_keep=1)),
             datasets={"train": dataset},
         )
         result = trainer.fit()
 
-        staging = Path(tempfile.mkdtemp(prefix="clipstream-version-"))
+        staging = Path(tempfile.mkdtemp(prefix="clipstream-version-")) / "checkpoint"  # the artifact's name
         with result.checkpoint.as_directory() as folder:
             shutil.copytree(Path(folder) / EXPORT_DIR, staging, dirs_exist_ok=True)
             shutil.copy(Path(folder) / METHOD_STATE_FILE, staging / METHOD_STATE_FILE)
@@ -130,20 +130,20 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
 
         for mode, per_task in scores.items():
             for name, metrics in per_task.items():
-                mlflow.log_metrics({f"eval/{mode}/{name}/{k}": v for k, v in metrics.items()})
+                mlflow.log_metrics({f"eval/{mode}/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
         for mode, matrix in (("known", known), ("unknown", unknown)):
             mlflow.log_metrics({f"{mode}/AA": matrix.average_accuracy(), f"{mode}/forgetting": matrix.mean_forgetting(),
                                 f"{mode}/BWT": matrix.bwt()})
             mlflow.log_dict(matrix.to_dict(), f"matrix_{mode}.json")
-        heatmap = known.heatmap(staging.parent / f"{staging.name}-heatmap.png", title=f"R[i][j] (Rm, task-known) after {task.name}")
-        mlflow.log_artifact(str(heatmap), "plots")
-        unknown_plot = unknown.heatmap(staging.parent / f"{staging.name}-heatmap-unknown.png", title="R[i][j] (Rm, task-unknown)")
-        mlflow.log_artifact(str(unknown_plot), "plots")
+        plots = settings.home / "plots" / run_id
+        heatmap = known.heatmap(plots / f"{run_name}-known.png", title=f"R[i][j] (Rm, task-known) after {task.name}")
+        unknown_plot = unknown.heatmap(plots / f"{run_name}-unknown.png", title=f"R[i][j] (Rm, task-unknown) after {task.name}")
+        mlflow.log_artifacts(str(plots), "plots")
 
         (staging / MANIFEST).write_text(json.dumps({
             "lineage": seen, "matrix": {"known": known.to_dict(), "unknown": unknown.to_dict()},
             "config": config, "parent_version": tags["parent_version"]}, indent=2))
-        version = registry.register(run_id, staging, tags)
+        version = registry.register(staging, tags)
         mlflow.set_tag("model_version", version)
     return TaskResult(version, run_id, task.name, len(history), known, unknown, heatmap, len(skipped),
                       time.perf_counter() - tic)

@@ -42,12 +42,11 @@ class ClipEmbedder(mlflow.pyfunc.PythonModel):
         self.bundle = models.load_exported(context.artifacts["checkpoint"])
         self.bundle.model.eval()
 
-    def predict(self, context, model_input, params=None):
+    def predict(self, context, model_input: list[str], params=None) -> list[list[float]]:
         import torch
 
-        captions = list(model_input.iloc[:, 0]) if hasattr(model_input, "iloc") else list(model_input)
         with torch.no_grad():
-            return self.bundle.model.encode_text(self.bundle.tokenizer(captions), normalize=True).numpy()
+            return self.bundle.model.encode_text(self.bundle.tokenizer(list(model_input)), normalize=True).tolist()
 
 
 @dataclass
@@ -87,11 +86,10 @@ class Registry:
         with mlflow.start_run(experiment_id=self.experiment_id(), run_name=run_name, tags=tags) as active:
             yield active.info.run_id
 
-    def register(self, run_id: str, checkpoint: Path, tags: dict[str, str], alias: str = CANDIDATE) -> str:
-        """Log `checkpoint` as the run's model, register it as the next version, tag it, alias it."""
-        with mlflow.start_run(run_id=run_id):
-            info = mlflow.pyfunc.log_model(name="model", python_model=ClipEmbedder(), artifacts={"checkpoint": str(checkpoint)},
-                                           pip_requirements=["clipstream"])
+    def register(self, checkpoint: Path, tags: dict[str, str], alias: str = CANDIDATE) -> str:
+        """Log `checkpoint` as the active run's model, register it as the next version, tag it, alias it."""
+        info = mlflow.pyfunc.log_model(name="model", python_model=ClipEmbedder(), artifacts={"checkpoint": str(checkpoint)},
+                                       pip_requirements=["clipstream"])
         version = mlflow.register_model(info.model_uri, self.name, tags={k: str(v) for k, v in tags.items()}).version
         self.client.set_registered_model_alias(self.name, alias, version)
         return str(version)
@@ -127,10 +125,12 @@ class Registry:
 
     def versions(self) -> list[Version]:
         try:
+            aliases = self.client.get_registered_model(self.name).aliases  # {alias: version}
             found = self.client.search_model_versions(f"name = '{self.name}'")
         except MlflowException:
             return []
-        return sorted((Version(str(v.version), dict(v.tags), v.run_id, list(v.aliases)) for v in found),
+        return sorted((Version(str(v.version), dict(v.tags), v.run_id,
+                               [a for a, n in aliases.items() if str(n) == str(v.version)]) for v in found),
                       key=lambda v: int(v.version))
 
     def run_metrics(self, run_id: str) -> dict[str, float]:

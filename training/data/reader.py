@@ -15,6 +15,7 @@ import open_clip
 import ray.data
 from PIL import Image
 
+from training import models  # noqa: F401  (registers our architectures, so their tokenizers resolve here too)
 from training.data.task import DataError, Task
 
 

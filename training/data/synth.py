@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from functools import lru_cache
+from functools import cache
 from itertools import product
 from pathlib import Path
 
@@ -80,7 +80,7 @@ _BASES = (  # body silhouettes; class j of task i uses _BASES[(j + 3 i) % 10]
 )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _figure(label: str, base: int) -> tuple[tuple[str, np.ndarray], ...]:
     """A class's fixed figure: a body plus 1-2 accessories, seeded by its name, within the unit square."""
     rng = np.random.default_rng(zlib.crc32(label.encode()))
@@ -103,7 +103,7 @@ def _figure(label: str, base: int) -> tuple[tuple[str, np.ndarray], ...]:
     return tuple((kind, p / extent) for kind, p in parts)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _style(name: str) -> dict:
     """A task's fixed visual style: background tint, pattern geometry, stroke, noise, palette bias."""
     rng = np.random.default_rng(zlib.crc32(name.encode()))
@@ -267,7 +267,7 @@ def synthesize(out: str | Path, tasks: int = 4, seed: int = 0, *, image_size: in
     if digits and test_per_task > _DIGITS_MAX_TEST:
         raise ValueError(f"test_per_task={test_per_task} leaves too few digit images; use <= {_DIGITS_MAX_TEST}")
     shares = [P9D_SHARES[i % len(P9D_SHARES)] for i in range(tasks)]
-    sizes = _allocate(train_pairs, shares) if train_pairs > 0 else np.zeros(tasks, int)
+    sizes = _allocate(max(train_pairs, 0), shares)
     if sizes.min() < MIN_TASK_PAIRS:
         raise ValueError(f"train_pairs={train_pairs} is too small for {tasks} tasks: the P9D shares give "
                          f"task sizes {sizes.tolist()}, need >= {MIN_TASK_PAIRS} pairs per task")

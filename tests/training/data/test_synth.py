@@ -12,7 +12,7 @@ from PIL import Image
 
 from training.data.synth import COLOURS, P9D_SHARES, POSITIONS, synthesize
 
-SMALL = dict(tasks=2, train_pairs=200, test_per_task=16, image_size=16, progress=False)
+SMALL = {"tasks": 2, "train_pairs": 200, "test_per_task": 16, "image_size": 16, "progress": False}
 
 
 def _tree_hash(root: Path) -> str:
@@ -159,11 +159,11 @@ def test_digits_task_has_real_digits(bench):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(tasks=0), "tasks"),
-    (dict(image_size=8), "image_size"),
-    (dict(tasks=4, train_pairs=300), "train_pairs"),
-    (dict(test_per_task=0), "test_per_task"),
-    (dict(test_per_task=1700), "test_per_task"),
+    ({"tasks": 0}, "tasks"),
+    ({"image_size": 8}, "image_size"),
+    ({"tasks": 4, "train_pairs": 300}, "train_pairs"),
+    ({"test_per_task": 0}, "test_per_task"),
+    ({"test_per_task": 1700}, "test_per_task"),
 ])
 def test_bad_arguments_raise(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
