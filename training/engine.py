@@ -100,7 +100,6 @@ def train_loop(config: dict) -> None:
     logger = _MetricLogger(config.get("tracking"), rank)
     shard = ray.train.get_dataset_shard("train")
     for epoch in range(start_epoch, train["epochs"]):
-        _maybe_fail(config.get("fail_once"), epoch, rank)
         engine.train()
         batches = shard.iter_torch_batches(batch_size=train["micro_batch"], drop_last=True, device=engine.device,
                                            local_shuffle_buffer_size=train["shuffle_buffer"],
@@ -123,10 +122,11 @@ def train_loop(config: dict) -> None:
             if task_ctx.step % train["log_every"] == 0:
                 logger.log(task_ctx.step, {"loss": loss, **{f"loss/{k}": v for k, v in terms.items()}},
                            lr=engine.get_lr()[0], samples_per_s=seen * world / (time.perf_counter() - tic), epoch=epoch)
+        _maybe_fail(config.get("fail_once"), epoch, rank)  # dies with the epoch trained but not checkpointed
         if epoch == train["epochs"] - 1:
             method.after_task(task_ctx)
         _report_epoch(engine, method, bundle, epoch, task_ctx.step, rank,
-                      {"epoch": epoch, "step": task_ctx.step, "loss": float(loss.detach()),
+                      {"epoch": epoch, "step": task_ctx.step, "loss": float(loss.detach()), "start_epoch": start_epoch,
                        "samples_per_s": seen * world / max(time.perf_counter() - tic, 1e-9)})
 
 

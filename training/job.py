@@ -113,6 +113,7 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
             datasets={"train": dataset},
         )
         result = trainer.fit()
+        mlflow.log_metrics({f"train/{k}": v for k, v in result.metrics.items() if k in ("samples_per_s", "start_epoch", "step")})
 
         staging = Path(tempfile.mkdtemp(prefix="clipstream-version-")) / "checkpoint"  # the artifact's name
         with result.checkpoint.as_directory() as folder:

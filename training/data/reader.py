@@ -61,8 +61,9 @@ def _from_webdataset(batch: dict) -> dict:
     image_col = next(c for c in ("png", "jpg", "jpeg", "webp") if c in batch)
     captions = []
     for i in range(n):
-        if "txt" in batch and batch["txt"][i] is not None:
-            captions.append(bytes(batch["txt"][i]).decode("utf-8").strip())
+        txt = batch["txt"][i] if "txt" in batch else None
+        if isinstance(txt, (bytes, bytearray)):  # a sample without KEY.txt holds None or NaN here
+            captions.append(bytes(txt).decode("utf-8").strip())
         else:
             captions.append(json.loads(bytes(batch["json"][i]))["caption"])
     ids = [str(k).rsplit("/", 1)[-1] for k in batch["__key__"]]

@@ -188,7 +188,9 @@ def _read_shard(path: Path) -> Iterator[tuple[str, dict]]:
             for member in tar:
                 if not member.isfile():
                     continue
-                key, _, ext = member.name.partition(".")
+                folder, slash, base = member.name.rpartition("/")  # WebDataset: key ends at the first dot of the file name
+                stem, _, ext = base.partition(".")
+                key = folder + slash + stem
                 data = tar.extractfile(member).read()
                 sample = samples.setdefault(key, {"id": Path(key).name})
                 ext = ext.lower()

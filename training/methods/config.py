@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Iterable, Optional
 
 import yaml
 
 PRESETS = Path(__file__).with_name("presets.yaml")
+
+
+class _Loader(yaml.SafeLoader):
+    """Safe YAML that also reads `1e-4` as a float (PyYAML's YAML 1.1 wants a dot: `1.0e-4`)."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
 
 
 def merge(base: dict, over: dict) -> dict:
@@ -20,25 +29,28 @@ def merge(base: dict, over: dict) -> dict:
 
 
 def load_presets(path: Optional[Path] = None) -> dict[str, dict]:
-    return yaml.safe_load(Path(path or PRESETS).read_text())
+    return yaml.load(Path(path or PRESETS).read_text(), Loader=_Loader)
 
 
 def resolve(name: str, overrides: Iterable[str] = (), presets: Optional[dict] = None) -> dict:
     """The full config of preset `name`, its parents merged first, then `a.b=value` overrides (YAML values)."""
     presets = presets if presets is not None else load_presets()
 
-    def expand(key: str, stack: tuple[str, ...]) -> dict:
+    def lineage(key: str, stack: tuple[str, ...]) -> list[str]:
+        """Ancestors first, each once (a shared grandparent such as `base` does not come back after a
+        parent that overrides it), then `key`."""
         if key not in presets:
             raise ValueError(f"unknown method preset {key!r}; known: {', '.join(sorted(presets))}")
         if key in stack:
             raise ValueError(f"preset inheritance cycle: {' -> '.join(stack + (key,))}")
-        own = dict(presets[key])
-        out: dict = {}
-        for parent in own.pop("inherit_from", []) or []:
-            out = merge(out, expand(parent, stack + (key,)))
-        return merge(out, own)
+        order: list[str] = []
+        for parent in presets[key].get("inherit_from") or []:
+            order += [k for k in lineage(parent, stack + (key,)) if k not in order]
+        return order + [key]
 
-    config = expand(name, ())
+    config: dict = {}
+    for key in lineage(name, ()):
+        config = merge(config, {k: v for k, v in presets[key].items() if k != "inherit_from"})
     for item in overrides:
         path, sep, raw = item.partition("=")
         if not sep or not path:
@@ -51,6 +63,6 @@ def resolve(name: str, overrides: Iterable[str] = (), presets: Optional[dict] = 
             node = node[part]
         if leaf not in node:
             raise ValueError(f"override {item!r}: preset {name!r} has no key {path!r}")
-        node[leaf] = yaml.safe_load(raw)
+        node[leaf] = yaml.load(raw, Loader=_Loader)
     config["preset"] = name
     return config

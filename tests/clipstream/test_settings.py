@@ -1,0 +1,170 @@
+"""Tests for clipstream.settings: defaults, CLIPSTREAM_* env vars, the YAML file, and their priority."""
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from clipstream.settings import Settings
+
+
+@pytest.fixture(autouse=True)
+def clean_env(tmp_path, monkeypatch):
+    """Every test runs in an empty cwd with no CLIPSTREAM_* variables."""
+    monkeypatch.chdir(tmp_path)
+    for name in list(os.environ):
+        if name.startswith("CLIPSTREAM_"):
+            monkeypatch.delenv(name)
+    return tmp_path
+
+
+def write_yaml(path: Path, values: dict) -> Path:
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def test_defaults_live_under_home_in_cwd(tmp_path):
+    s = Settings()
+    home = tmp_path / ".clipstream"
+    assert s.home == home and s.home.is_absolute()
+    assert s.data_dir == home / "data"
+    assert s.runs_dir == home / "runs"
+    assert s.qdrant_path == home / "qdrant"
+    assert s.qdrant_url is None and s.qdrant_api_key is None and s.ray_address is None
+    assert s.mlflow_tracking_uri == f"sqlite:///{home / 'mlflow.db'}"
+    assert s.mlflow_artifact_root == str(home / "mlartifacts")
+    assert s.grpc_port == 9000
+    assert s.stream == "clipstream"
+    assert s.embedded_registry
+    assert not home.exists()  # building settings creates nothing
+
+
+def test_defaults_follow_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLIPSTREAM_HOME", "relhome")
+    s = Settings()
+    assert s.home == tmp_path / "relhome"
+    assert s.qdrant_path == tmp_path / "relhome" / "qdrant"
+    assert s.mlflow_tracking_uri == f"sqlite:///{tmp_path / 'relhome' / 'mlflow.db'}"
+
+
+def test_ensure_dirs(tmp_path):
+    s = Settings(home=tmp_path / "h").ensure_dirs()
+    assert (tmp_path / "h").is_dir() and s.data_dir.is_dir() and s.runs_dir.is_dir()
+
+
+def test_env_overrides(monkeypatch):
+    monkeypatch.setenv("CLIPSTREAM_GRPC_PORT", "9123")
+    monkeypatch.setenv("CLIPSTREAM_QDRANT_URL", "http://qdrant:6333")
+    monkeypatch.setenv("CLIPSTREAM_MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    s = Settings()
+    assert s.grpc_port == 9123 and isinstance(s.grpc_port, int)
+    assert s.qdrant_url == "http://qdrant:6333"
+    assert s.mlflow_tracking_uri == "http://mlflow:5000"
+    assert not s.embedded_registry
+
+
+def test_yaml_via_clipstream_config(tmp_path, monkeypatch):
+    cfg = write_yaml(tmp_path / "elsewhere.yaml", {"grpc_port": 9500, "stream": "mystream",
+                                                   "qdrant_url": "http://q:6333"})
+    monkeypatch.setenv("CLIPSTREAM_CONFIG", str(cfg))
+    s = Settings()
+    assert (s.grpc_port, s.stream, s.qdrant_url) == (9500, "mystream", "http://q:6333")
+
+
+def test_yaml_in_cwd(tmp_path):
+    write_yaml(tmp_path / "clipstream.yaml", {"grpc_port": 9600, "home": str(tmp_path / "yhome")})
+    s = Settings()
+    assert s.grpc_port == 9600
+    assert s.home == tmp_path / "yhome"
+    assert s.qdrant_path == tmp_path / "yhome" / "qdrant"
+
+
+def test_clipstream_config_wins_over_cwd_file(tmp_path, monkeypatch):
+    write_yaml(tmp_path / "clipstream.yaml", {"grpc_port": 9600})
+    monkeypatch.setenv("CLIPSTREAM_CONFIG", str(write_yaml(tmp_path / "other.yaml", {"grpc_port": 9700})))
+    assert Settings().grpc_port == 9700
+
+
+def test_priority_kwargs_over_env_over_yaml(tmp_path, monkeypatch):
+    write_yaml(tmp_path / "clipstream.yaml", {"grpc_port": 9600, "stream": "from-yaml", "ray_address": "auto"})
+    monkeypatch.setenv("CLIPSTREAM_GRPC_PORT", "9601")
+    monkeypatch.setenv("CLIPSTREAM_STREAM", "from-env")
+    s = Settings()
+    assert s.grpc_port == 9601  # env beats yaml
+    assert s.stream == "from-env"
+    assert s.ray_address == "auto"  # yaml still fills what env leaves out
+    s = Settings(grpc_port=9602)
+    assert s.grpc_port == 9602  # kwargs beat env
+    assert s.stream == "from-env"
+
+
+@pytest.mark.parametrize("port", ["0", "70000", "x", "-1"])
+def test_invalid_port_from_env(monkeypatch, port):
+    monkeypatch.setenv("CLIPSTREAM_GRPC_PORT", port)
+    with pytest.raises(ValidationError, match="grpc_port"):
+        Settings()
+
+
+@pytest.mark.parametrize("port", [0, 70000, "x", 65536])
+def test_invalid_port_from_kwargs(port):
+    with pytest.raises(ValidationError, match="grpc_port"):
+        Settings(grpc_port=port)
+
+
+def test_port_bounds_are_inclusive():
+    assert Settings(grpc_port=1).grpc_port == 1
+    assert Settings(grpc_port=65535).grpc_port == 65535
+
+
+def test_invalid_port_from_yaml(tmp_path):
+    write_yaml(tmp_path / "clipstream.yaml", {"grpc_port": 70000})
+    with pytest.raises(ValidationError, match="grpc_port"):
+        Settings()
+
+
+def test_unknown_yaml_key_rejected(tmp_path):
+    write_yaml(tmp_path / "clipstream.yaml", {"grpc_port": 9001, "qdrant_ulr": "http://typo:6333"})
+    with pytest.raises(ValidationError, match="qdrant_ulr"):
+        Settings()
+
+
+def test_unknown_kwarg_rejected():
+    with pytest.raises(ValidationError, match="grpc_prot"):
+        Settings(grpc_prot=1)
+
+
+def test_missing_config_file_names_path(tmp_path, monkeypatch):
+    missing = tmp_path / "nope" / "clipstream.yaml"
+    monkeypatch.setenv("CLIPSTREAM_CONFIG", str(missing))
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        Settings()
+
+
+def test_env_round_trips(tmp_path, monkeypatch):
+    original = Settings(home=tmp_path / "h", grpc_port=9444, qdrant_url="http://q:6333", qdrant_api_key="k",
+                        ray_address="ray://head:10001", stream="s2", mlflow_tracking_uri="http://m:5000")
+    env = original.env()
+    assert all(k.startswith("CLIPSTREAM_") and isinstance(v, str) for k, v in env.items())
+    assert env["CLIPSTREAM_GRPC_PORT"] == "9444"
+    assert env["CLIPSTREAM_HOME"] == str(tmp_path / "h")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # cwd must not matter
+    assert Settings() == original
+
+
+def test_env_round_trips_defaults_and_skips_none(tmp_path, monkeypatch):
+    original = Settings()
+    env = original.env()
+    assert "CLIPSTREAM_QDRANT_URL" not in env and "CLIPSTREAM_RAY_ADDRESS" not in env
+    # every derived default is spelled out, so a child process in another cwd sees the same paths
+    assert env["CLIPSTREAM_QDRANT_PATH"] == str(tmp_path / ".clipstream" / "qdrant")
+    assert env["CLIPSTREAM_MLFLOW_TRACKING_URI"] == original.mlflow_tracking_uri
+    other = tmp_path / "other"
+    other.mkdir()
+    monkeypatch.chdir(other)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert Settings() == original

@@ -1,0 +1,82 @@
+"""End to end on the embedded stack: Ray Train + DeepSpeed on 2 workers, MLflow on SQLite."""
+
+import json
+
+import pytest
+from mlflow import MlflowClient
+
+from training import evaluate, models
+from training.data.task import DataError
+from training.job import run_task
+from training.registry import Registry, RegistryError
+
+FAST = ["train.epochs=2", "train.micro_batch=16", "train.log_every=2", "train.max_failures=0"]
+
+
+@pytest.mark.slow
+def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(ray_cluster, settings, stream):
+    first = run_task(stream[0], "finetune", None, workers=2, overrides=FAST, settings=settings)
+    second = run_task(stream[1], "finetune", "models:/clipstream@candidate", workers=2, overrides=FAST, settings=settings)
+
+    registry = Registry(settings)
+    versions = registry.versions()
+    assert [v.version for v in versions] == [first.version, second.version] == ["1", "2"]
+    v1, v2 = versions
+    assert v1.tags["task"] == "task-00-household" and v1.tags["task_index"] == "0" and v1.tags["parent_version"] == ""
+    assert v2.tags["task"] == "task-01-furnishing" and v2.tags["task_index"] == "1" and v2.tags["parent_version"] == "1"
+    assert v1.tags["method"] == v2.tags["method"] == "finetune"
+    assert len(v1.tags["data_sha"]) == 64 and v1.tags["data_sha"] != v2.tags["data_sha"]
+    assert v2.aliases == ["candidate"] and v1.aliases == []
+    assert settings.mlflow_tracking_uri.startswith("sqlite:///") and (settings.home / "mlflow.db").is_file()
+
+    # the run holds the loss curve, the evaluation, the matrix row and the heatmap
+    client = MlflowClient(settings.mlflow_tracking_uri)
+    run = client.get_run(v2.run_id)
+    assert len(client.get_metric_history(v2.run_id, "loss")) >= 2
+    assert run.data.metrics["train/start_epoch"] == 0
+    assert {"known/AA", "known/forgetting", "known/BWT", "unknown/AA"} <= set(run.data.metrics)
+    artifacts = {a.path for a in client.list_artifacts(v2.run_id)} | {a.path for a in client.list_artifacts(v2.run_id, "plots")}
+    assert {"matrix_known.json", "config.json", "plots/01-task-01-furnishing-finetune-known.png"} <= artifacts
+
+    # the version carries the lineage and the matrix; row 2 is this version evaluated on both tasks
+    resolved = registry.resolve("2")
+    assert [e["task"] for e in resolved.lineage] == ["task-00-household", "task-01-furnishing"]
+    matrix = evaluate.ResultMatrix.from_dict(resolved.manifest["matrix"]["known"])
+    assert matrix.tasks == ["task-00-household", "task-01-furnishing"]
+    assert matrix.values[0, 0] == pytest.approx(first.known.values[0, 0])
+    bundle = models.load_exported(resolved.folder)
+    from training.data.task import Task
+
+    again = evaluate.evaluate_seen([evaluate.embed_task(bundle, Task.load(p)) for p in stream])
+    assert again["known"]["task-00-household"]["Rm"] == pytest.approx(matrix.values[1, 0], abs=1e-6)
+    assert again["known"]["task-01-furnishing"]["Rm"] == pytest.approx(matrix.values[1, 1], abs=1e-6)
+    assert run.data.metrics["known/AA"] == pytest.approx(matrix.average_accuracy())
+
+    # the model learned something on its own task: far above chance (R@1 chance ~ 1/24)
+    assert second.known.values[1, 1] > 25
+
+    # a task already in the lineage is refused; unknown references are clear errors
+    with pytest.raises(ValueError, match="already been trained on task 'task-01-furnishing'"):
+        run_task(stream[1], "finetune", "2", workers=2, overrides=FAST, settings=settings)
+    with pytest.raises(RegistryError, match="no such model version"):
+        registry.resolve("models:/clipstream@production")
+    with pytest.raises(RegistryError, match="not 'other'"):
+        registry.resolve("models:/other/1")
+
+
+@pytest.mark.slow
+def test_a_killed_worker_resumes_from_the_last_epoch_checkpoint(ray_cluster, settings, stream, tmp_path, monkeypatch):
+    marker = tmp_path / "killed"
+    monkeypatch.setenv("CLIPSTREAM_FAIL_ONCE", f"1:1:{marker}")  # rank 1 dies after training epoch 1, before its checkpoint
+    result = run_task(stream[0], "joint", None, workers=2, settings=settings,
+                      overrides=["train.epochs=2", "train.micro_batch=16", "train.max_failures=1"])
+    assert marker.read_text() == "failed once\n"
+    metrics = MlflowClient(settings.mlflow_tracking_uri).get_run(result.run_id).data.metrics
+    assert metrics["train/start_epoch"] == 1  # resumed after epoch 0, did not start over
+    assert result.version == "1"
+
+
+def test_a_task_too_small_for_one_step_is_refused_before_training(settings, stream):
+    with pytest.raises(DataError, match="cannot fill one step"):
+        run_task(stream[0], "finetune", None, workers=2, overrides=["train.micro_batch=4096"], settings=settings)
+    assert Registry(settings).versions() == []
