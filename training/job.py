@@ -62,8 +62,8 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
     train_cfg = config["train"]
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    registry = Registry(settings)
     task = Task.load(task_dir)
+    registry = Registry(settings)
     parent_v: Optional[Version] = registry.resolve(parent) if parent else None
     history = parent_v.lineage if parent_v else []
     if any(entry["task"] == task.name for entry in history):

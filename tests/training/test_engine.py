@@ -1,0 +1,40 @@
+"""The DeepSpeed JSON config built from a preset, and open_clip's weight-decay split."""
+
+import pytest
+
+from training import models
+from training.engine import deepspeed_config, param_groups
+from training.methods import resolve
+
+
+def test_deepspeed_config_follows_the_preset():
+    train = resolve("finetune", ["train.micro_batch=8", "train.grad_accum=3", "train.zero_stage=2",
+                                 "train.precision=bf16", "train.lr=2e-4", "train.warmup_steps=5"])["train"]
+    cfg = deepspeed_config(train, world_size=2, total_steps=100)
+    assert cfg["train_batch_size"] == 8 * 3 * 2
+    assert cfg["train_micro_batch_size_per_gpu"] == 8 and cfg["gradient_accumulation_steps"] == 3
+    assert cfg["zero_optimization"]["stage"] == 2
+    assert cfg["bf16"]["enabled"] and not cfg["fp16"]["enabled"]
+    assert cfg["optimizer"]["type"] == "AdamW" and cfg["optimizer"]["params"]["lr"] == 2e-4
+    sched = cfg["scheduler"]
+    assert sched["type"] == "WarmupCosineLR"
+    assert sched["params"]["total_num_steps"] == 100 and sched["params"]["warmup_num_steps"] == 5
+    assert sched["params"]["cos_min_ratio"] == train["min_lr_ratio"]
+
+
+def test_warmup_never_exceeds_the_task_and_bad_precision_is_refused():
+    train = resolve("finetune", ["train.warmup_steps=50"])["train"]
+    assert deepspeed_config(train, 1, total_steps=10)["scheduler"]["params"]["warmup_num_steps"] == 9
+    with pytest.raises(ValueError, match="precision must be"):
+        deepspeed_config({**train, "precision": "fp8"}, 1, 10)
+
+
+def test_param_groups_exclude_gains_biases_embeddings_and_logit_scale_from_decay():
+    model = models.prepare_for_deepspeed(models.create("clipstream-vit-tiny").model)
+    no_decay, decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert "logit_scale" in {names[id(p)] for p in no_decay["params"]}
+    assert "token_embedding.weight" in {names[id(p)] for p in no_decay["params"]}
+    assert all(p.ndim >= 2 for p in decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
