@@ -8,6 +8,7 @@ are reported to Ray Train each epoch, so a restarted worker group resumes from t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -68,6 +69,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def train_loop(config: dict) -> None:
     """`TorchTrainer` entry point. `config`: the resolved preset plus `model_source`, `parent_state`,
     `steps_per_epoch`, `task_index`, `tracking` (MLflow URI and run id for live metrics)."""
+    logging.getLogger("ray.train").setLevel(logging.WARNING)  # our own progress lines say enough
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     train = config["train"]

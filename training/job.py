@@ -47,7 +47,7 @@ def init_ray(settings: Settings, num_cpus: Optional[int] = None) -> None:
     if settings.ray_address:
         ray.init(address=settings.ray_address, log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True,
+        ray.init(num_cpus=num_cpus or os.cpu_count(), log_to_driver=True,
                  configure_logging=False)
 
 

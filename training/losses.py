@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+from torch.distributed._functional_collectives import all_gather_single_autograd, wait_tensor
 import torch.nn.functional as F
 
 
@@ -23,7 +23,7 @@ def gather(features: torch.Tensor) -> torch.Tensor:
     _, size = world()
     if size == 1:
         return features
-    return torch.cat(dist_fn.all_gather(features), dim=0)
+    return wait_tensor(all_gather_single_autograd(features.contiguous(), 0, dist.group.WORLD))
 
 
 def positive_columns(local_batch: int, device=None) -> torch.Tensor:

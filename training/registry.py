@@ -9,6 +9,7 @@ stream from `models:/STREAM@ALIAS` or a version number alone.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -67,6 +68,7 @@ class Version:
 
 class Registry:
     def __init__(self, settings: Settings):
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per tiny file is noise
         self.settings = settings
         self.name = settings.stream
         if settings.embedded_registry:
@@ -88,8 +90,8 @@ class Registry:
 
     def register(self, checkpoint: Path, tags: dict[str, str], alias: str = CANDIDATE) -> str:
         """Log `checkpoint` as the active run's model, register it as the next version, tag it, alias it."""
-        info = mlflow.pyfunc.log_model(name="model", python_model=ClipEmbedder(), artifacts={"checkpoint": str(checkpoint)},
-                                       pip_requirements=["clipstream"])
+        info = mlflow.pyfunc.log_model(name="model", python_model=str(Path(__file__).with_name("mlflow_model.py")),
+                                       artifacts={"checkpoint": str(checkpoint)}, pip_requirements=["clipstream"])
         version = mlflow.register_model(info.model_uri, self.name, tags={k: str(v) for k, v in tags.items()}).version
         self.client.set_registered_model_alias(self.name, alias, version)
         return str(version)

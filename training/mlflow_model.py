@@ -1,0 +1,7 @@
+"""MLflow "models from code" entry: how a registered version loads as a pyfunc (no pickled objects)."""
+
+import mlflow
+
+from training.registry import ClipEmbedder
+
+mlflow.models.set_model(ClipEmbedder())
