@@ -182,5 +182,8 @@ def _maybe_fail(spec: str | None, epoch: int, rank: int) -> None:
         return
     at_epoch, at_rank, marker = spec.split(":", 2)
     if epoch == int(at_epoch) and rank == int(at_rank) and not os.path.exists(marker):
+        # Ray Train's controller collects reported checkpoints when it polls the workers (every
+        # RAY_TRAIN_HEALTH_CHECK_INTERVAL_S); die well after that, as a worker lost mid-task would.
+        time.sleep(2 * float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", 2.0)) + 1)
         Path(marker).write_text("failed once\n")
         os._exit(1)
