@@ -6,7 +6,8 @@ import pytest
 from mlflow import MlflowClient
 
 from training import evaluate, models
-from training.data.task import DataError
+from clipstream.cli import main
+from training.data.task import DataError, Task
 from training.job import run_task
 from training.registry import Registry, RegistryError
 
@@ -14,9 +15,9 @@ FAST = ["train.epochs=2", "train.micro_batch=16", "train.log_every=2", "train.ma
 
 
 @pytest.mark.slow
-def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(ray_cluster, settings, stream):
+def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(ray_cluster, settings, stream, capsys):
     first = run_task(stream[0], "finetune", None, workers=2, overrides=FAST, settings=settings)
-    second = run_task(stream[1], "finetune", "models:/clipstream@candidate", workers=2, overrides=FAST, settings=settings)
+    second = run_task(stream[1], "joint", "models:/clipstream@candidate", workers=2, overrides=FAST, settings=settings)
 
     registry = Registry(settings)
     versions = registry.versions()
@@ -24,7 +25,7 @@ def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(ray_cluster
     v1, v2 = versions
     assert v1.tags["task"] == "task-00-household" and v1.tags["task_index"] == "0" and v1.tags["parent_version"] == ""
     assert v2.tags["task"] == "task-01-furnishing" and v2.tags["task_index"] == "1" and v2.tags["parent_version"] == "1"
-    assert v1.tags["method"] == v2.tags["method"] == "finetune"
+    assert v1.tags["method"] == "finetune" and v2.tags["method"] == "joint"
     assert len(v1.tags["data_sha"]) == 64 and v1.tags["data_sha"] != v2.tags["data_sha"]
     assert v2.aliases == ["candidate"] and v1.aliases == []
     assert settings.mlflow_tracking_uri.startswith("sqlite:///") and (settings.home / "mlflow.db").is_file()
@@ -32,11 +33,14 @@ def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(ray_cluster
     # the run holds the loss curve, the evaluation, the matrix row and the heatmap
     client = MlflowClient(settings.mlflow_tracking_uri)
     run = client.get_run(v2.run_id)
+    rows = [len(Task.load(p).check("train").rows) for p in stream]
+    assert client.get_run(v1.run_id).data.params["train_rows"] == str(rows[0])
+    assert run.data.params["train_rows"] == str(sum(rows))  # joint trains on every task so far
     assert len(client.get_metric_history(v2.run_id, "loss")) >= 2
     assert run.data.metrics["train/start_epoch"] == 0
     assert {"known/AA", "known/forgetting", "known/BWT", "unknown/AA"} <= set(run.data.metrics)
     artifacts = {a.path for a in client.list_artifacts(v2.run_id)} | {a.path for a in client.list_artifacts(v2.run_id, "plots")}
-    assert {"matrix_known.json", "config.json", "plots/01-task-01-furnishing-finetune-known.png"} <= artifacts
+    assert {"matrix_known.json", "config.json", "plots/01-task-01-furnishing-joint-known.png"} <= artifacts
 
     # the version carries the lineage and the matrix; row 2 is this version evaluated on both tasks
     resolved = registry.resolve("2")
@@ -45,8 +49,6 @@ def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(ray_cluster
     assert matrix.tasks == ["task-00-household", "task-01-furnishing"]
     assert matrix.values[0, 0] == pytest.approx(first.known.values[0, 0])
     bundle = models.load_exported(resolved.folder)
-    from training.data.task import Task
-
     again = evaluate.evaluate_seen([evaluate.embed_task(bundle, Task.load(p)) for p in stream])
     assert again["known"]["task-00-household"]["Rm"] == pytest.approx(matrix.values[1, 0], abs=1e-6)
     assert again["known"]["task-01-furnishing"]["Rm"] == pytest.approx(matrix.values[1, 1], abs=1e-6)
@@ -54,6 +56,16 @@ def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(ray_cluster
 
     # the model learned something on its own task: far above chance (R@1 chance ~ 1/24)
     assert second.known.values[1, 1] > 25
+
+    # the CLI shows the same: `eval` recomputes version 2's row, `runs` lists both versions
+    assert main(["eval", "--version", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "version 2 (joint, after task task-01-furnishing)" in out
+    assert f"{again['known']['task-00-household']['Rm']:.1f}" in out
+    assert main(["runs"]) == 0
+    listing = capsys.readouterr().out.splitlines()
+    assert listing[2].split()[:4] == ["1", "task-00-household", "finetune", "-"]
+    assert listing[3].split()[:5] == ["2", "candidate", "task-01-furnishing", "joint", "1"]
 
     # a task already in the lineage is refused; unknown references are clear errors
     with pytest.raises(ValueError, match="already been trained on task 'task-01-furnishing'"):
