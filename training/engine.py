@@ -74,6 +74,8 @@ def train_loop(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     train = config["train"]
     torch.manual_seed(train["seed"] + rank)
+    if not torch.cuda.is_available():  # Ray pins OMP_NUM_THREADS to the worker's fractional CPU share: 1
+        torch.set_num_threads(config["threads_per_worker"])
 
     bundle = models.create(config["model"]["arch"], config["model_source"])
     model = models.prepare_for_deepspeed(bundle.model)
@@ -103,7 +105,7 @@ def train_loop(config: dict) -> None:
     shard = ray.train.get_dataset_shard("train")
     for epoch in range(start_epoch, train["epochs"]):
         engine.train()
-        batches = shard.iter_torch_batches(batch_size=train["micro_batch"], drop_last=True, device=engine.device,
+        batches = shard.iter_torch_batches(batch_size=train["micro_batch"], drop_last=True, device=engine.device, prefetch_batches=4,
                                            local_shuffle_buffer_size=train["shuffle_buffer"],
                                            local_shuffle_seed=train["seed"] + 1000 * epoch + rank,
                                            dtypes={"image": torch.float32, "text": torch.long})

@@ -103,6 +103,7 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
             train_loop,
             train_loop_config={**config, "model_source": model_source, "task_index": len(history),
                                "steps_per_epoch": steps_per_epoch, "fail_once": fail_once,
+                               "threads_per_worker": max(1, int(ray.available_resources().get("CPU", 1)) // workers),
                                "parent_state": str(parent_v.folder / METHOD_STATE_FILE) if parent_v else None,
                                "tracking": {"uri": settings.mlflow_tracking_uri, "run_id": run_id}},
             scaling_config=ScalingConfig(num_workers=workers, use_gpu=torch.cuda.is_available(),
