@@ -76,6 +76,11 @@ def _as_percent(i2t: dict[int, float], t2i: dict[int, float]) -> dict[str, float
     return out
 
 
+def metrics_from_ranks(i2t_ranks: np.ndarray, t2i_ranks: np.ndarray) -> dict[str, float]:
+    """The same percent metrics from 0-based first-hit ranks computed elsewhere (e.g. through a vector index)."""
+    return _as_percent(_recall(np.asarray(i2t_ranks), KS), _recall(np.asarray(t2i_ranks), KS))
+
+
 def retrieval_metrics(img: np.ndarray, txt: np.ndarray, positive: np.ndarray) -> dict[str, float]:
     """Image->text and text->image R@1/5/10 on one gallery plus Rm (their mean), in percent as the
     papers report. img [N_img, D], txt [N_txt, D], positive bool [N_img, N_txt]."""
