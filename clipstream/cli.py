@@ -50,12 +50,44 @@ def _eval(args) -> None:
     from training.data.task import Task
     from training.registry import Registry
 
-    version = Registry(Settings()).resolve(args.version)
+    settings = Settings()
+    version = Registry(settings).resolve(args.version)
     bundle = models.load_exported(version.folder)
     tasks = [Task.load(p) for p in args.task] or [Task.load(e["path"]) for e in version.lineage]
-    scores = evaluate.evaluate_seen([evaluate.embed_task(bundle, t) for t in tasks])
-    print(f"version {version.version} ({version.tags.get('method')}, after task {version.tags.get('task')})")
+    if args.through_index:
+        from clipstream.indexing import evaluate_through_index
+        from services.index import open_index
+
+        index = open_index(settings)
+        try:
+            indexed = set(index.state()["tasks"])
+            missing = [t.name for t in tasks if t.name not in indexed]
+            if missing:
+                raise ValueError(f"tasks {missing} are not indexed; run `clipstream index` for them first")
+            scores = evaluate_through_index(index, bundle, tasks)
+        finally:
+            index.close()
+    else:
+        scores = evaluate.evaluate_seen([evaluate.embed_task(bundle, t) for t in tasks])
+    source = "through the index" if args.through_index else "in memory"
+    print(f"version {version.version} ({version.tags.get('method')}, after task {version.tags.get('task')}), {source}")
     print(evaluate.format_scores(scores))
+
+
+def _index(args) -> None:
+    from clipstream.indexing import index_task
+
+    state = index_task(Settings(), args.version, args.task, args.policy, args.split)
+    print(f"index {state['name']!r} generation {state['generation']} (dim {state['dim']}):")
+    for name, entry in state["tasks"].items():
+        print(f"  {name:<24} version {entry['model_version']:>4}  {entry['counts']['image']} images, "
+              f"{entry['counts']['text']} texts")
+
+
+def _bench_index_policy(args) -> None:
+    from clipstream.bench import index_policy
+
+    print(index_policy(Settings(), args.tasks, args.seed, args.method, args.workers, args.set, Path(args.out)))
 
 
 def _runs(args) -> None:
@@ -126,9 +158,26 @@ def parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="evaluate a registered version on its tasks (or the given ones)")
     ev.add_argument("--version", default="candidate")
     ev.add_argument("--task", action="append", default=[])
+    ev.add_argument("--through-index", action="store_true",
+                    help="rank the stored vectors (queries encoded by this version) instead of re-embedding galleries")
     ev.set_defaults(func=_eval)
 
+    ix = sub.add_parser("index", help="embed a task's gallery with a version and store it in the vector index")
+    ix.add_argument("--version", required=True, help="models:/STREAM@ALIAS, an alias or a version number")
+    ix.add_argument("--task", required=True)
+    ix.add_argument("--policy", choices=("no-reindex", "reindex"), default="no-reindex")
+    ix.add_argument("--split", default="test")
+    ix.set_defaults(func=_index)
+
     sub.add_parser("runs", help="registered versions with their key metrics").set_defaults(func=_runs)
+
+    bench = sub.add_parser("bench", help="reproducible experiments").add_subparsers(dest="bench_command", required=True)
+    policy = bench.add_parser("index-policy", help="no-reindex vs reindex on a synthetic stream")
+    policy.add_argument("--tasks", type=int, default=3)
+    policy.add_argument("--seed", type=int, default=0)
+    policy.add_argument("--out", default="benchmarks/results/index-policy.md")
+    training_args(policy)
+    policy.set_defaults(func=_bench_index_policy)
 
     demo = sub.add_parser("demo", help="synthesise a stream, train it task by task, show the R matrix")
     demo.add_argument("--out")

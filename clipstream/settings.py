@@ -34,7 +34,7 @@ class Settings(BaseSettings):
     mlflow_artifact_root: Optional[str] = Field(None, description="default HOME/mlartifacts")
     stream: str = Field("clipstream", description="MLflow experiment and registered-model name")
     qdrant_path: Optional[Path] = Field(None, description="embedded Qdrant Edge directory; default HOME/qdrant")
-    qdrant_url: Optional[str] = Field(None, description="Qdrant server URL; when set, used instead of the embedded engine")
+    qdrant_url: Optional[str] = Field(None, description="Qdrant server URL (or local:PATH for qdrant-client's local mode); when set, used instead of the embedded engine")
     qdrant_api_key: Optional[str] = None
     ray_address: Optional[str] = Field(None, description="None starts a local Ray; 'auto' or ray://host:port joins a cluster")
     grpc_port: int = Field(9000, ge=1, le=65535)

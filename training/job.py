@@ -144,7 +144,9 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
 
         (staging / MANIFEST).write_text(json.dumps({
             "lineage": seen, "matrix": {"known": known.to_dict(), "unknown": unknown.to_dict()},
-            "config": config, "parent_version": tags["parent_version"]}, indent=2))
+            "config": config, "parent_version": tags["parent_version"],
+            "unchanged_towers": [t for t in ("image", "text") if parent_v and t not in method_obj.trains_towers]},
+            indent=2))
         version = registry.register(staging, tags)
         mlflow.set_tag("model_version", version)
     return TaskResult(version, run_id, task.name, len(history), known, unknown, heatmap, len(skipped),

@@ -38,6 +38,7 @@ class Method:
     `state_dict` (persisted with the new version)."""
 
     name = "finetune"
+    trains_towers = ("image", "text")  # a tower left out is recorded unchanged, so indexing can reuse its vectors
 
     def __init__(self, params: dict):
         self.params = params

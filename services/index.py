@@ -1,0 +1,584 @@
+"""Versioned vector index: per-task gallery embeddings tagged with the model version that made them.
+
+Two indexing policies (continual cross-modal retrieval, Wang et al.): **no-reindex** appends one task to the
+serving generation and never touches older points; **reindex** builds generation g+1 with every task under
+one version, verifies it, switches atomically and drops g. Queries always read one published state, so a
+result never mixes generations. The policy logic lives in `VectorIndex`; `EdgeIndex` (embedded Qdrant Edge,
+immutable segments + an atomically replaced manifest) and `ServerIndex` (Qdrant server, collections +
+aliases) only implement the storage primitives at the bottom of the base class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fcntl
+import heapq
+import json
+import os
+import re
+import shutil
+import threading
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+MODALITIES = ("image", "text")
+PAYLOAD_INDEXES = {"task": "keyword", "modality": "keyword", "model_version": "keyword", "index_generation": "integer"}
+BATCH = 256  # points per upsert call
+MAX_K = 1000
+Z_POOL = 100  # per-task candidates whose scores give the z-score statistics (normalize_per_task)
+_NAMESPACE = uuid.UUID("5b0e8f3a-6c1d-4f51-9c2e-c1195742ea70")
+_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class VectorIndexError(ValueError):
+    """A bad input or a refused operation; nothing stored has changed."""
+
+
+def point_id(item_id: str, modality: str, model_version: str, lineage: str) -> str:
+    """uuid5 of (item, modality, model_version, lineage) as a string: a rerun never duplicates."""
+    return str(uuid.uuid5(_NAMESPACE, f"{item_id}\x1f{modality}\x1f{model_version}\x1f{lineage}"))
+
+
+@dataclass
+class TaskVectors:
+    """One task's gallery embedded by one model version (rows are pairs: image i goes with caption i)."""
+
+    task: str
+    task_index: int
+    model_version: str
+    item_ids: list[str]
+    image: np.ndarray
+    text: np.ndarray
+    captions: list[str]
+    split: str = "test"
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One search result; model_version/index_generation say which encoder and build produced the vector."""
+
+    item_id: str
+    task: str
+    task_index: int
+    modality: str
+    score: float
+    model_version: str
+    index_generation: int
+    lineage: str
+    caption: str | None
+
+
+def _unit(x, what: str, dim: int | None) -> np.ndarray:
+    """Rows L2-normalised as float32; refuses wrong dimension, zero and non-finite rows (cosine needs a direction)."""
+    x = np.asarray(x)
+    if x.ndim != 2 or not np.issubdtype(x.dtype, np.number):
+        raise VectorIndexError(f"{what}: expected a numeric 2-D array [N, D], got shape {x.shape} of {x.dtype}")
+    if dim is not None and x.shape[1] != dim:
+        raise VectorIndexError(f"{what}: vectors have dimension {x.shape[1]}, but the index holds dimension {dim}")
+    x = x.astype(np.float64)
+    if not np.isfinite(x).all():
+        raise VectorIndexError(f"{what}: vectors contain NaN or infinite values")
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    if (norms == 0).any():
+        raise VectorIndexError(f"{what}: zero vector at row {int(np.flatnonzero(norms[:, 0] == 0)[0])}")
+    return (x / norms).astype(np.float32)
+
+
+def _check_task(tv: TaskVectors, dim: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Validate one task completely before anything is written; returns its unit image and text vectors."""
+    if not isinstance(tv, TaskVectors):
+        raise VectorIndexError(f"expected TaskVectors, got {type(tv).__name__}")
+    for field in ("task", "model_version", "split"):
+        if not isinstance(getattr(tv, field), str) or not getattr(tv, field):
+            raise VectorIndexError(f"TaskVectors.{field} must be a non-empty string, got {getattr(tv, field)!r}")
+    where = f"task {tv.task!r} (version {tv.model_version})"
+    if not isinstance(tv.task_index, int) or tv.task_index < 0:
+        raise VectorIndexError(f"{where}: task_index must be an int >= 0, got {tv.task_index!r}")
+    n = len(tv.item_ids)
+    if n == 0:
+        raise VectorIndexError(f"{where}: no items")
+    if len(set(tv.item_ids)) != n or not all(isinstance(i, str) and i for i in tv.item_ids):
+        raise VectorIndexError(f"{where}: item_ids must be unique non-empty strings")
+    if not all(isinstance(c, str) for c in tv.captions):
+        raise VectorIndexError(f"{where}: captions must be strings")
+    image, text = _unit(tv.image, f"{where} image", dim), _unit(tv.text, f"{where} text", dim)
+    if image.shape[1] != text.shape[1]:
+        raise VectorIndexError(f"{where}: image dimension {image.shape[1]} != text dimension {text.shape[1]}")
+    if not (len(image) == len(text) == len(tv.captions) == n):
+        raise VectorIndexError(f"{where}: lengths differ: {n} item_ids, {len(image)} image rows, "
+                               f"{len(text)} text rows, {len(tv.captions)} captions")
+    return image, text
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", s)[:40]
+
+
+class VectorIndex:
+    """Policy logic (validation, ids, payloads, generations, search merging); storage lives in subclasses."""
+
+    def __init__(self, name: str, lineage: str = "shared"):
+        for what, value in (("name", name), ("lineage", lineage)):
+            if not isinstance(value, str) or not _SAFE.match(value):
+                raise VectorIndexError(f"index {what} {value!r}: use 1-64 letters, digits, '.', '_' or '-'")
+        self.name, self.lineage = name, lineage
+        self.progress = False  # a progress bar over points written (the indexing job turns it on)
+        self._wlock = threading.Lock()
+
+    # ---- public API -------------------------------------------------------------------------------------
+    def state(self) -> dict:
+        return {k: v for k, v in copy.deepcopy(self._read()).items() if k != "segments"}
+
+    def append(self, vectors: TaskVectors) -> dict:
+        """No-reindex: add one task to the serving generation; other tasks' points are never touched."""
+        if not isinstance(vectors, TaskVectors):
+            raise VectorIndexError(f"append takes TaskVectors, got {type(vectors).__name__}")
+        with self._writing():
+            state = self._read()
+            old = state["tasks"].get(vectors.task)
+            if old and old["model_version"] != vectors.model_version:
+                raise VectorIndexError(
+                    f"task {vectors.task!r} is already indexed under model version {old['model_version']}; appending "
+                    f"version {vectors.model_version} would mix versions within the task: run a reindex instead")
+            arrays = _check_task(vectors, state["dim"])
+            self._check_ids_disjoint([vectors], state)
+            self._sweep(state)  # leftovers of a failed earlier write are never served; clear them
+            new = self._build(state, max(state["generation"], 1), [(vectors, arrays)])
+            return self._commit(state, new)
+
+    def reindex(self, tasks: list[TaskVectors]) -> dict:
+        """Reindex: build generation g+1 with exactly these tasks, verify counts, switch atomically, drop g."""
+        tasks = list(tasks)
+        if not tasks or not all(isinstance(t, TaskVectors) for t in tasks):
+            raise VectorIndexError(f"reindex needs a non-empty list of TaskVectors, got {tasks!r:.80}")
+        versions = sorted({t.model_version for t in tasks}, key=str)
+        if len(versions) != 1:
+            raise VectorIndexError(f"reindex needs one model version for all tasks, got {versions}")
+        names = [t.task for t in tasks]
+        if len(set(names)) != len(names):
+            raise VectorIndexError(f"reindex got a task twice: {names}")
+        first = _check_task(tasks[0], None)  # a reindex may change the dimension: every task must agree on it
+        items = [(tasks[0], first)] + [(t, _check_task(t, first[0].shape[1])) for t in tasks[1:]]
+        self._check_ids_disjoint(tasks)
+        with self._writing():
+            state = self._read()
+            self._sweep(state)
+            new = self._build(state, state["generation"] + 1, items, fresh=True)
+            return self._commit(state, new)
+
+    def search(self, vector: np.ndarray, target_modality: str, task: str | None = None, k: int = 10,
+               normalize_per_task: bool = False) -> list[Hit]:
+        """task given = task-known; None = one ranking over all tasks by raw cosine (the paper's setting).
+
+        normalize_per_task=True ranks task-unknown hits by each task's z-scored cosine (statistics over the
+        task's top max(k, Z_POOL) candidates); Hit.score stays the raw cosine.
+        """
+        v = np.asarray(vector)
+        if v.ndim != 1:
+            raise VectorIndexError(f"search takes one vector [D], got shape {v.shape}; use search_batch")
+        return self.search_batch(v[None, :], target_modality, task, k, normalize_per_task)[0]
+
+    def search_batch(self, vectors: np.ndarray, target_modality: str, task: str | None = None, k: int = 10,
+                     normalize_per_task: bool = False) -> list[list[Hit]]:
+        if target_modality not in MODALITIES:
+            raise VectorIndexError(f"target_modality must be one of {MODALITIES}, got {target_modality!r}")
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
+            raise VectorIndexError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
+        for attempt in range(3):
+            state = self._read()
+            if not state["tasks"]:
+                raise VectorIndexError(f"index {self.name}/{self.lineage} is empty: append or reindex a task first")
+            if task is not None and task not in state["tasks"]:
+                raise VectorIndexError(f"unknown task {task!r}; indexed tasks: {sorted(state['tasks'])}")
+            queries = _unit(vectors, "query", state["dim"])
+            if not len(queries):
+                return []
+            try:
+                if task is None and normalize_per_task:
+                    rows = self._zscored(state, target_modality, queries, int(k))
+                else:
+                    rows = self._query(state, target_modality, [task] if task else sorted(state["tasks"]),
+                                       queries, int(k))
+            except Exception:
+                # a writer switched generations and dropped what this snapshot named: retry on the new one
+                if attempt == 2 or self._read() == state:
+                    raise
+                continue
+            return [[self._hit(score, p) for score, p in row] for row in rows]
+
+    def points(self, task: str, modality: str) -> dict[str, tuple[bytes, dict]]:
+        """item_id -> (float32 vector bytes as stored, payload) of one task in the serving generation."""
+        if modality not in MODALITIES:
+            raise VectorIndexError(f"modality must be one of {MODALITIES}, got {modality!r}")
+        state = self._read()
+        if task not in state["tasks"]:
+            raise VectorIndexError(f"unknown task {task!r}; indexed tasks: {sorted(state['tasks'])}")
+        return {p["item_id"]: (np.asarray(v, dtype=np.float32).tobytes(), p)
+                for v, p in self._scroll(state, task, modality)}
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- shared mechanism -------------------------------------------------------------------------------
+    def _empty(self) -> dict:
+        return {"name": self.name, "lineage": self.lineage, "dim": None, "generation": 0, "tasks": {}, "segments": {}}
+
+    def _check_ids_disjoint(self, tasks: list[TaskVectors], state: dict | None = None) -> None:
+        """Point ids carry no task, so two tasks under one version must not share an item id."""
+        seen: dict[tuple[str, str], str] = {}
+        for tv in tasks:
+            for i in tv.item_ids:
+                if seen.setdefault((tv.model_version, i), tv.task) != tv.task:
+                    raise VectorIndexError(f"item id {i!r} is in tasks {seen[(tv.model_version, i)]!r} and "
+                                           f"{tv.task!r} under one version; item ids must be unique across tasks")
+        for tv in tasks if state else ():  # an append: compare with the indexed tasks of the same version
+            for other, meta in state["tasks"].items():
+                if other != tv.task and meta["model_version"] == tv.model_version:
+                    clash = set(tv.item_ids) & set(self.points(other, "image"))
+                    if clash:
+                        raise VectorIndexError(f"item ids {sorted(clash)[:3]} of task {tv.task!r} are already used "
+                                               f"by task {other!r} under version {tv.model_version}")
+
+    def _build(self, state: dict, gen: int, items: list, fresh: bool = False) -> dict:
+        """Write the tasks into generation `gen`, verify the stored counts, return the state to publish."""
+        new = self._empty() if fresh else copy.deepcopy(state)
+        new["generation"], new["dim"] = gen, int(items[0][1][0].shape[1])
+        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        bar = tqdm(total=sum(2 * len(tv.item_ids) for tv, _ in items), unit="pt", desc=f"index g{gen}",
+                   disable=not self.progress)
+        for tv, arrays in items:
+            counts, refs = {}, {}
+            for modality, x in zip(MODALITIES, arrays):
+                ids = [point_id(i, modality, tv.model_version, self.lineage) for i in tv.item_ids]
+                payloads = [{"item_id": i, "task": tv.task, "task_index": tv.task_index, "modality": modality,
+                             "model_version": tv.model_version, "index_generation": gen, "lineage": self.lineage,
+                             "split": tv.split, "indexed_at": now} for i in tv.item_ids]
+                if modality == "text":
+                    for p, c in zip(payloads, tv.captions):
+                        p["caption"] = c
+                refs[modality] = self._write(gen, tv.task, modality, ids, x, payloads)
+                bar.update(len(ids))
+                counts[modality] = self._count(refs[modality], tv.task)
+                if counts[modality] != len(ids):
+                    raise VectorIndexError(f"task {tv.task!r} {modality}: stored {counts[modality]} points, expected "
+                                           f"{len(ids)}; the serving generation is unchanged, rerun to complete")
+            new["tasks"][tv.task] = {"task_index": tv.task_index, "model_version": tv.model_version,
+                                     "counts": counts, "indexed_at": now}
+            new["segments"][tv.task] = refs
+        bar.close()
+        return new
+
+    def _commit(self, old: dict, new: dict) -> dict:
+        self._publish(new)  # the atomic switch: before it readers see `old`, after it `new`
+        self._sweep(new)
+        return {k: v for k, v in copy.deepcopy(new).items() if k != "segments"}
+
+    def _zscored(self, state: dict, modality: str, queries: np.ndarray, k: int) -> list[list]:
+        merged = [[] for _ in queries]
+        for t in sorted(state["tasks"]):
+            for q, row in enumerate(self._query(state, modality, [t], queries, max(k, Z_POOL))):
+                scores = np.array([s for s, _ in row])
+                mu, sd = scores.mean(), scores.std()
+                merged[q] += [((s - mu) / (sd if sd > 0 else 1.0), s, p) for s, p in row]
+        return [[(s, p) for _, s, p in heapq.nlargest(k, row, key=lambda r: r[0])] for row in merged]
+
+    @staticmethod
+    def _hit(score: float, p: dict) -> Hit:
+        return Hit(item_id=p["item_id"], task=p["task"], task_index=p["task_index"], modality=p["modality"],
+                   score=float(score), model_version=p["model_version"], index_generation=p["index_generation"],
+                   lineage=p["lineage"], caption=p.get("caption") if p["modality"] == "text" else None)
+
+    @contextlib.contextmanager
+    def _writing(self):
+        with self._wlock:
+            yield
+
+    # ---- storage primitives (per backend) ---------------------------------------------------------------
+    def _read(self) -> dict:
+        """The published state (+ "segments": task -> modality -> storage ref); treat as read-only."""
+        raise NotImplementedError
+
+    def _write(self, gen: int, task: str, modality: str, ids: list[str], x: np.ndarray, payloads: list[dict]) -> str:
+        """Store one task's points of one modality in generation `gen`, unpublished; returns a storage ref."""
+        raise NotImplementedError
+
+    def _count(self, ref: str, task: str) -> int:
+        raise NotImplementedError
+
+    def _publish(self, new: dict) -> None:
+        """Atomically make `new` the serving state."""
+        raise NotImplementedError
+
+    def _sweep(self, state: dict) -> None:
+        """Delete storage that `state` (the published one) does not reference."""
+        raise NotImplementedError
+
+    def _query(self, state: dict, modality: str, tasks: list[str], queries: np.ndarray, limit: int) -> list[list]:
+        """Per query, the top `limit` (score, payload) over the given tasks, best first."""
+        raise NotImplementedError
+
+    def _scroll(self, state: dict, task: str, modality: str):
+        """Yield (vector, payload) of one task and modality."""
+        raise NotImplementedError
+
+
+class EdgeIndex(VectorIndex):
+    """Embedded Qdrant Edge, immutable segments under root/name/lineage/g<gen>/, published by manifest.json.
+
+    Each segment is one EdgeShard per (generation, task, modality, version), created WITHOUT a WAL, filled,
+    optimised, flushed and closed by the writer and never written again; a WAL-less shard takes no file lock,
+    so any number of reader processes open it concurrently. Writers serialise on a flock.
+    """
+
+    def __init__(self, root: str | Path, name: str = "clipstream", lineage: str = "shared"):
+        super().__init__(name, lineage)
+        import qdrant_edge as qe
+
+        self._qe = qe
+        self._dir = Path(root).absolute() / name / lineage
+        self._manifest = self._dir / "manifest.json"
+        self._lock = threading.Lock()
+        self._key, self._state, self._shards = None, self._empty(), {}
+
+    def close(self) -> None:
+        with self._lock:
+            shards, self._shards, self._key = self._shards, {}, None
+        for shard in shards.values():
+            shard.close()
+
+    def _filter(self, task: str):
+        qe = self._qe
+        return qe.Filter(must=[qe.FieldCondition(key="task", match=qe.MatchValue(task))])
+
+    @contextlib.contextmanager
+    def _writing(self):
+        self._dir.mkdir(parents=True, exist_ok=True)
+        with super()._writing(), open(self._dir / ".writer.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def _read(self) -> dict:
+        try:
+            st = os.stat(self._manifest)
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            key = None
+        with self._lock:
+            if key != self._key:  # cheap stat compare on every call; parse only when the manifest changed
+                self._state = json.loads(self._manifest.read_text()) if key else self._empty()
+                self._key = key
+                live = {r for refs in self._state["segments"].values() for r in refs.values()}
+                # drop shards no longer served; in-flight searches still hold them and GC closes them
+                self._shards = {r: s for r, s in self._shards.items() if r in live}
+            return self._state
+
+    def _open(self, ref: str):
+        with self._lock:
+            shard = self._shards.get(ref)
+        if shard is None:
+            shard = self._qe.EdgeShard.load(str(self._dir / ref))
+            with self._lock:
+                shard = self._shards.setdefault(ref, shard)
+        return shard
+
+    def _write(self, gen, task, modality, ids, x, payloads):
+        qe = self._qe
+        ref = f"g{gen}/{_slug(task)}.{modality}.v{_slug(payloads[0]['model_version'])}.{uuid.uuid4().hex[:8]}"
+        config = qe.EdgeConfig(vectors=qe.EdgeVectorParams(size=x.shape[1], distance=qe.Distance.Cosine),
+                               wal_enabled=False)
+        shard = qe.EdgeShard.create(str(self._dir / ref), config)
+        try:
+            kinds = {"keyword": qe.PayloadSchemaType.Keyword, "integer": qe.PayloadSchemaType.Integer}
+            for field, kind in PAYLOAD_INDEXES.items():
+                shard.update(qe.UpdateOperation.create_field_index(field, kinds[kind]))
+            for s in range(0, len(ids), BATCH):
+                chunk = zip(ids[s:s + BATCH], x[s:s + BATCH], payloads[s:s + BATCH])
+                shard.update(qe.UpdateOperation.upsert_points([qe.Point(i, v.tolist(), p) for i, v, p in chunk]))
+            shard.optimize()  # builds HNSW once a segment passes the optimizer threshold; smaller ones search exactly
+            shard.flush()
+        finally:
+            shard.close()
+        return ref
+
+    def _count(self, ref, task):
+        shard = self._qe.EdgeShard.load(str(self._dir / ref))  # reopen: proves it is on disk and loadable
+        try:
+            return shard.count(self._qe.CountRequest(exact=True, filter=self._filter(task)))
+        finally:
+            shard.close()
+
+    def _publish(self, new):
+        tmp = self._dir / f".manifest.{uuid.uuid4().hex}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(new, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._manifest)
+        fd = os.open(self._dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _sweep(self, state):
+        live = {r for refs in state["segments"].values() for r in refs.values()}
+        for gen_dir in self._dir.glob("g*"):
+            for seg in gen_dir.iterdir():
+                if f"{gen_dir.name}/{seg.name}" not in live:
+                    shutil.rmtree(seg, ignore_errors=True)
+            if gen_dir.name != f"g{state['generation']}" and not any(gen_dir.iterdir()):
+                gen_dir.rmdir()
+        for tmp in self._dir.glob(".manifest.*.tmp"):
+            tmp.unlink(missing_ok=True)
+
+    def _query(self, state, modality, tasks, queries, limit):
+        qe = self._qe
+        batch = qe.QueryBatchRequest([qe.QueryRequest(limit=limit, query=qe.Query.Nearest(q.tolist()),
+                                                      with_payload=True) for q in queries])
+        per_task = [self._open(state["segments"][t][modality]).query_batch(batch) for t in tasks]
+        # one segment per task: task-known reads one, task-unknown merges each segment's top-k by raw cosine
+        return [heapq.nlargest(limit, ((p.score, p.payload) for res in per_task for p in res[q]), key=lambda r: r[0])
+                for q in range(len(queries))]
+
+    def _scroll(self, state, task, modality):
+        shard, offset = self._open(state["segments"][task][modality]), None
+        while True:
+            records, offset = shard.scroll(self._qe.ScrollRequest(offset=offset, limit=1024, with_payload=True,
+                                                                  with_vector=True))
+            yield from ((r.vector, r.payload) for r in records)
+            if offset is None:
+                return
+
+
+class ServerIndex(VectorIndex):
+    """Qdrant server: collections f"{name}-{lineage}-g{g}-{modality}", aliases f"{name}-{lineage}-{modality}".
+
+    The aliases are the commit point (both switched in one update_collection_aliases call); the state of
+    generation g is point g of f"{name}-{lineage}-state", written before the switch. A search resolves the
+    alias once and queries that generation's collection, so one result never mixes generations.
+    """
+
+    def __init__(self, client, name: str = "clipstream", lineage: str = "shared"):
+        super().__init__(name, lineage)
+        from qdrant_client import models
+
+        self._m, self.client, self._owns_client = models, client, False
+        self._prefix = f"{name}-{lineage}"
+        self._state_coll = f"{self._prefix}-state"
+        self._gen_re = re.compile(rf"^{re.escape(self._prefix)}-g(\d+)-(image|text)$")
+
+    def close(self) -> None:
+        if self._owns_client:
+            self.client.close()
+
+    def _coll(self, gen: int, modality: str) -> str:
+        return f"{self._prefix}-g{gen}-{modality}"
+
+    def _filter(self, tasks: list[str]):
+        m = self._m
+        match = m.MatchValue(value=tasks[0]) if len(tasks) == 1 else m.MatchAny(any=tasks)
+        return m.Filter(must=[m.FieldCondition(key="task", match=match)])
+
+    def _aliases(self) -> dict[str, str]:
+        return {a.alias_name: a.collection_name for a in self.client.get_aliases().aliases}
+
+    def _read(self) -> dict:
+        target = self._aliases().get(f"{self._prefix}-image")
+        if target is None:
+            return self._empty()
+        gen = int(self._gen_re.match(target).group(1))
+        records = self.client.retrieve(self._state_coll, [gen], with_payload=True)
+        if not records:
+            raise VectorIndexError(f"alias {self._prefix}-image points at generation {gen}, whose state is missing")
+        return records[0].payload
+
+    def _write(self, gen, task, modality, ids, x, payloads):
+        m, coll = self._m, self._coll(gen, modality)
+        if not self.client.collection_exists(coll):
+            params = m.VectorParams(size=x.shape[1], distance=m.Distance.COSINE)
+            self.client.create_collection(coll, vectors_config=params)
+            for field, kind in PAYLOAD_INDEXES.items():  # before the upload, so points are indexed as they arrive
+                self.client.create_payload_index(coll, field, field_schema=kind, wait=True)
+        for s in range(0, len(ids), BATCH):
+            chunk = zip(ids[s:s + BATCH], x[s:s + BATCH], payloads[s:s + BATCH])
+            self.client.upsert(coll, wait=True,
+                               points=[m.PointStruct(id=i, vector=v.tolist(), payload=p) for i, v, p in chunk])
+        if self._count(coll, task) > len(ids):  # re-append with fewer items: drop the points this write did not make
+            keep = set(ids)
+            stale = [str(r.id) for r in self._records(coll, task, vectors=False) if str(r.id) not in keep]
+            self.client.delete(coll, points_selector=m.PointIdsList(points=stale), wait=True)
+        return coll
+
+    def _count(self, ref, task):
+        return self.client.count(ref, count_filter=self._filter([task]), exact=True).count
+
+    def _publish(self, new):
+        m, gen = self._m, new["generation"]
+        if not self.client.collection_exists(self._state_coll):
+            self.client.create_collection(self._state_coll, vectors_config={})
+        self.client.upsert(self._state_coll, points=[m.PointStruct(id=gen, vector={}, payload=new)], wait=True)
+        current = self._aliases()
+        want = {f"{self._prefix}-{mod}": self._coll(gen, mod) for mod in MODALITIES}
+        if any(current.get(alias) != coll for alias, coll in want.items()):
+            ops = [m.DeleteAliasOperation(delete_alias=m.DeleteAlias(alias_name=a)) for a in want if a in current]
+            ops += [m.CreateAliasOperation(create_alias=m.CreateAlias(collection_name=c, alias_name=a))
+                    for a, c in want.items()]
+            self.client.update_collection_aliases(change_aliases_operations=ops)  # atomic for both modalities
+
+    def _sweep(self, state):
+        gen = state["generation"]
+        for c in self.client.get_collections().collections:
+            match = self._gen_re.match(c.name)
+            if match and int(match.group(1)) != gen:
+                self.client.delete_collection(c.name)
+        if self.client.collection_exists(self._state_coll):
+            stale = [r.id for r in self._records(self._state_coll, None, vectors=False) if r.id != gen]
+            if stale:
+                self.client.delete(self._state_coll, points_selector=self._m.PointIdsList(points=stale), wait=True)
+
+    def _query(self, state, modality, tasks, queries, limit):
+        m, flt = self._m, self._filter(tasks)  # only published tasks: a half-written append is never served
+        responses = self.client.query_batch_points(self._coll(state["generation"], modality), requests=[
+            m.QueryRequest(query=q.tolist(), filter=flt, limit=limit, with_payload=True) for q in queries])
+        return [[(p.score, p.payload) for p in r.points] for r in responses]
+
+    def _records(self, coll: str, task: str | None, vectors: bool):
+        offset = None
+        while True:
+            records, offset = self.client.scroll(coll, scroll_filter=self._filter([task]) if task else None,
+                                                 limit=1024, offset=offset, with_payload=True, with_vectors=vectors)
+            yield from records
+            if offset is None:
+                return
+
+    def _scroll(self, state, task, modality):
+        for record in self._records(self._coll(state["generation"], modality), task, vectors=True):
+            yield record.vector, record.payload
+
+
+def open_index(settings, name: str | None = None, lineage: str = "shared") -> VectorIndex:
+    """Edge under settings.qdrant_path by default; a Qdrant server when settings.qdrant_url is set
+    (`local:PATH` selects qdrant-client's own on-disk local mode, the server API without a server)."""
+    name = name or settings.stream
+    if not settings.qdrant_url:
+        return EdgeIndex(settings.qdrant_path, name, lineage)
+    from qdrant_client import QdrantClient
+
+    url = settings.qdrant_url
+    client = (QdrantClient(path=url.removeprefix("local:")) if url.startswith("local:")
+              else QdrantClient(url=url, api_key=settings.qdrant_api_key))
+    index = ServerIndex(client, name, lineage)
+    index._owns_client = True
+    return index

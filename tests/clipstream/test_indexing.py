@@ -1,0 +1,149 @@
+"""The indexing job end to end: a 3-task stream trained for real, indexed from the CLI under both policies
+on both backends, and evaluation through the index checked against the in-memory evaluator."""
+
+import hashlib
+import shutil
+
+import pytest
+
+from clipstream.cli import main
+from clipstream.indexing import evaluate_through_index, index_task
+from clipstream.settings import Settings
+from services.index import open_index
+from training import evaluate, models
+from training.data.task import DataError, Task
+from training.job import run_task
+from training.registry import Registry
+
+FAST = ["train.epochs=2", "train.micro_batch=16", "train.max_failures=0"]
+
+
+@pytest.fixture(scope="module")
+def trained(ray_cluster, tmp_path_factory):
+    """Versions 1..3 of a finetune stream over three small synthetic tasks."""
+    from training.data.synth import synthesize
+
+    root = tmp_path_factory.mktemp("indexing")
+    dirs = synthesize(root / "data", tasks=3, seed=5, train_pairs=500, test_per_task=16, digits=False, progress=False)
+    settings = Settings(home=root / "home").ensure_dirs()
+    parent = None
+    for folder in dirs:
+        parent = run_task(folder, "finetune", parent, workers=2, overrides=FAST, settings=settings).version
+    return settings, dirs
+
+
+def _checksums(index, task):
+    return {m: hashlib.sha256(repr(sorted(index.points(task, m).items())).encode()).hexdigest() for m in ("image", "text")}
+
+
+def _backend(settings, backend, tmp_path):
+    if backend == "edge":
+        return settings.model_copy(update={"qdrant_path": tmp_path / "edge"})
+    return settings.model_copy(update={"qdrant_url": f"local:{tmp_path / 'server'}"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["edge", "server"])
+def test_no_reindex_appends_each_task_with_its_own_version(trained, backend, tmp_path, monkeypatch, capsys):
+    settings, dirs = trained
+    settings = _backend(settings, backend, tmp_path)
+    for name, value in settings.env().items():
+        monkeypatch.setenv(name, value)
+    before = None
+    for version, folder in zip(("1", "2", "3"), dirs):
+        assert main(["index", "--version", version, "--task", str(folder), "--policy", "no-reindex"]) == 0
+        index = open_index(settings)
+        try:
+            if before is not None:
+                assert _checksums(index, "task-00-household") == before  # earlier points untouched
+            before = _checksums(index, "task-00-household")
+            state = index.state()
+        finally:
+            index.close()
+    assert state["generation"] == 1
+    assert {t: e["model_version"] for t, e in state["tasks"].items()} == {
+        "task-00-household": "1", "task-01-furnishing": "2", "task-02-food": "3"}
+    assert "task-02-food" in capsys.readouterr().out
+    assert Registry(settings).resolve("3", download=False).tags["index_policy"] == "no-reindex"
+
+    # evaluation through the index: old galleries from old versions, queries from version 3
+    assert main(["eval", "--version", "3", "--through-index"]) == 0
+    assert "through the index" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["edge", "server"])
+def test_reindex_matches_the_in_memory_evaluator(trained, backend, tmp_path, monkeypatch):
+    settings, dirs = trained
+    settings = _backend(settings, backend, tmp_path)
+    for name, value in settings.env().items():
+        monkeypatch.setenv(name, value)
+    assert main(["index", "--version", "1", "--task", str(dirs[0])]) == 0
+    assert main(["index", "--version", "3", "--task", str(dirs[2]), "--policy", "reindex"]) == 0
+    with open_index(settings) as index:
+        state = index.state()
+    assert state["generation"] == 2
+    assert {e["model_version"] for e in state["tasks"].values()} == {"3"}
+    assert list(state["tasks"]) == ["task-00-household", "task-02-food"]
+
+    bundle = models.load_exported(Registry(settings).resolve("3").folder)
+    tasks = [Task.load(dirs[0]), Task.load(dirs[2])]
+    index = open_index(settings)
+    try:
+        through = evaluate_through_index(index, bundle, tasks)
+    finally:
+        index.close()
+    direct = evaluate.evaluate_seen([evaluate.embed_task(bundle, t) for t in tasks])
+    for mode in ("known", "unknown"):
+        for name in direct[mode]:
+            assert through[mode][name] == pytest.approx(direct[mode][name], abs=1e-9), (mode, name)
+
+
+@pytest.mark.slow
+def test_reindex_is_refused_when_an_indexed_tasks_data_is_gone(trained, tmp_path):
+    settings, dirs = trained
+    settings = _backend(settings, "edge", tmp_path)
+    index_task(settings, "2", dirs[0], "no-reindex")
+    moved = tmp_path / "moved"
+    shutil.move(str(dirs[0]), moved)
+    try:
+        with pytest.raises(DataError, match="reindex refused: the raw data of indexed task 'task-00-household' is gone"):
+            index_task(settings, "2", dirs[1], "reindex")
+    finally:
+        shutil.move(str(moved), dirs[0])
+    index = open_index(settings)
+    try:
+        assert index.state()["generation"] == 1 and list(index.state()["tasks"]) == ["task-00-household"]
+    finally:
+        index.close()
+
+
+@pytest.mark.slow
+def test_indexing_a_task_the_version_never_saw_is_refused(trained, tmp_path):
+    settings, dirs = trained
+    with pytest.raises(ValueError, match="version 1 was not trained through task 'task-02-food'"):
+        index_task(_backend(settings, "edge", tmp_path), "1", dirs[2], "no-reindex")
+    with pytest.raises(ValueError, match="policy must be one of"):
+        index_task(settings, "1", dirs[0], "sometimes")
+
+
+@pytest.mark.slow
+def test_reindex_reuses_stored_image_vectors_when_the_image_tower_did_not_change(trained, tmp_path):
+    from dataclasses import replace
+
+    from clipstream.indexing import _vectors_for_reindex
+
+    settings, dirs = trained
+    settings = _backend(settings, "edge", tmp_path)
+    index_task(settings, "1", dirs[0], "no-reindex")
+    v3 = Registry(settings).resolve("3")
+    assert v3.manifest["unchanged_towers"] == []  # finetune trains both towers
+    frozen = replace(v3, manifest={**v3.manifest, "unchanged_towers": ["image"]})
+    lineage = {e["task"]: (i, e) for i, e in enumerate(v3.lineage)}
+    with open_index(settings) as index:
+        stored = index.points("task-00-household", "image")
+        reused = _vectors_for_reindex(index, frozen, "task-00-household", lineage, "test")
+        fresh = _vectors_for_reindex(index, v3, "task-00-household", lineage, "test")
+    assert [reused.image[i].tobytes() for i in range(len(reused.item_ids))] == [stored[i][0] for i in reused.item_ids]
+    assert not (fresh.image == reused.image).all()  # version 3's own image tower would embed differently
+    assert (fresh.text == reused.text).all()  # text is always re-embedded by the new version

@@ -1,0 +1,486 @@
+"""Contract suite for services.index: every test runs on Qdrant Edge and on qdrant-client's local mode.
+
+Local mode (`QdrantClient(location=":memory:")`) supports collections, aliases and batch queries, but
+accepts payload indexes without creating them (`payload_schema` stays empty, with a UserWarning), so the
+server payload-index test records the create_payload_index calls instead.
+"""
+
+import copy
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+import types
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from qdrant_client import QdrantClient
+
+from services.index import (
+    MODALITIES,
+    PAYLOAD_INDEXES,
+    EdgeIndex,
+    ServerIndex,
+    TaskVectors,
+    VectorIndexError,
+    open_index,
+    point_id,
+)
+
+pytestmark = [pytest.mark.filterwarnings("ignore:Payload indexes have no effect:UserWarning"),
+              pytest.mark.filterwarnings("ignore:Failed to obtain server version:UserWarning")]
+DIM = 16
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(params=["edge", "server"])
+def make(request, tmp_path):
+    """make(lineage="shared") opens an index of the parametrised backend on this test's one storage."""
+    client = QdrantClient(location=":memory:") if request.param == "server" else None
+    opened = []
+
+    def _make(lineage="shared"):
+        if client is None:
+            idx = EdgeIndex(tmp_path / "edge", lineage=lineage)
+        else:
+            idx = ServerIndex(client, lineage=lineage)
+        opened.append(idx)
+        return idx
+
+    yield _make
+    for idx in opened:
+        idx.close()
+
+
+@pytest.fixture
+def index(make):
+    return make()
+
+
+def tv(task, version, n=20, dim=DIM, task_index=None, scale=3.0):
+    """Deterministic, deliberately unnormalised vectors for (task, version)."""
+    rng = np.random.default_rng(zlib.crc32(f"{task}/{version}/{n}/{dim}".encode()))
+    return TaskVectors(task=task, task_index=task_index if task_index is not None else ord(task[-1]) % 10,
+                       model_version=version, item_ids=[f"{task}-{i:03d}" for i in range(n)],
+                       image=scale * rng.standard_normal((n, dim)) + 1.0, text=scale * rng.standard_normal((n, dim)),
+                       captions=[f"a photo of {task} number {i}" for i in range(n)])
+
+
+def unit(x):
+    x = np.asarray(x, dtype=np.float64)
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def checksums(idx, task):
+    return {m: {i: (hashlib.sha256(b).hexdigest(), p) for i, (b, p) in idx.points(task, m).items()} for m in MODALITIES}
+
+
+def stored_generations(idx):
+    """Generations physically present in storage (not just published)."""
+    if isinstance(idx, EdgeIndex):
+        return {int(p.name[1:]) for p in idx._dir.glob("g*")}
+    pattern = re.compile(rf"^{idx.name}-{idx.lineage}-g(\d+)-(image|text)$")
+    return {int(m.group(1)) for c in idx.client.get_collections().collections if (m := pattern.match(c.name))}
+
+
+def brute(gallery, query, k):
+    """Top-k (item_id, cosine) over {item_id: raw vector}."""
+    ids = list(gallery)
+    scores = unit(np.stack([gallery[i] for i in ids])) @ unit(query)
+    order = np.argsort(-scores)[:k]
+    return [ids[j] for j in order], scores[order]
+
+
+def gallery_of(tasks, modality):
+    return {i: getattr(t, modality)[r] for t in tasks for r, i in enumerate(t.item_ids)}
+
+
+def ranking(hits):
+    return [(h.item_id, round(h.score, 5)) for h in hits]
+
+
+def test_point_id_is_deterministic_and_distinct():
+    assert point_id("x", "image", "1", "shared") == point_id("x", "image", "1", "shared")
+    assert len({point_id("x", m, v, l) for m in MODALITIES for v in "12" for l in ("shared", "txt2im")}) == 8
+
+
+def test_open_index_picks_the_backend(settings):
+    edge = open_index(settings)
+    assert isinstance(edge, EdgeIndex) and edge.name == settings.stream
+    assert edge._dir == settings.qdrant_path / settings.stream / "shared"
+    remote = open_index(settings.model_copy(update={"qdrant_url": "http://127.0.0.1:1"}), name="other")
+    assert isinstance(remote, ServerIndex) and remote.name == "other" and remote._owns_client
+    remote.close()
+
+
+def test_append_touches_only_its_task(index):
+    index.append(tv("a", "1"))
+    index.append(tv("b", "2"))
+    before = {t: checksums(index, t) for t in "ab"}
+    state = index.append(tv("c", "3"))
+    assert {t: checksums(index, t) for t in "ab"} == before  # vector bytes and payload unchanged
+    assert state["generation"] == 1 and set(state["tasks"]) == {"a", "b", "c"}
+    new = index.points("c", "text")
+    assert set(new) == set(tv("c", "3").item_ids) and {p["task"] for _, p in new.values()} == {"c"}
+    assert state["tasks"]["c"]["counts"] == {"image": 20, "text": 20}
+    json.dumps(index.state())
+
+
+def test_versions_under_both_policies(index):
+    versions = {"a": "1", "b": "2", "c": "3"}
+    for t, v in versions.items():
+        index.append(tv(t, v))
+    for t, v in versions.items():
+        for m in MODALITIES:
+            payloads = [p for _, p in index.points(t, m).values()]
+            assert {(p["model_version"], p["index_generation"], p["task"], p["modality"]) for p in payloads} \
+                == {(v, 1, t, m)}
+            assert all(p["lineage"] == "shared" and p["split"] == "test" and p["indexed_at"] for p in payloads)
+            assert all(("caption" in p) == (m == "text") for p in payloads)
+    assert stored_generations(index) == {1}
+    state = index.reindex([tv(t, "9") for t in versions])
+    assert state["generation"] == 2 and {s["model_version"] for s in state["tasks"].values()} == {"9"}
+    for t in versions:
+        for m in MODALITIES:
+            assert {(p["model_version"], p["index_generation"]) for _, p in index.points(t, m).values()} == {("9", 2)}
+    assert stored_generations(index) == {2}  # Edge: g1 segment dirs deleted; server: g1 collections deleted
+    hits = index.search(np.ones(DIM), "image", k=60)
+    assert len(hits) == 60 and {(h.model_version, h.index_generation) for h in hits} == {("9", 2)}
+
+
+def test_task_known_search(index):
+    tasks = [tv("a", "1"), tv("b", "2"), tv("c", "3")]
+    for t in tasks:
+        index.append(t)
+    q = np.random.default_rng(0).standard_normal(DIM)
+    for m in MODALITIES:
+        hits = index.search(q, m, task="b", k=7)
+        assert len(hits) == 7 and {(h.task, h.modality, h.model_version) for h in hits} == {("b", m, "2")}
+        ids, scores = brute(gallery_of(tasks[1:2], m), q, 7)
+        assert [h.item_id for h in hits] == ids
+        np.testing.assert_allclose([h.score for h in hits], scores, atol=1e-5)
+        assert all((h.caption is not None) == (m == "text") for h in hits)
+    assert index.search(q, "text", task="a", k=1)[0].caption.startswith("a photo of a")
+
+
+def test_task_unknown_equals_brute_force(index):
+    tasks = [tv("a", "1"), tv("b", "2", n=25), tv("c", "3", n=15)]
+    for t in tasks:
+        index.append(t)
+    queries = np.random.default_rng(1).standard_normal((5, DIM))
+    for m in MODALITIES:
+        batch = index.search_batch(queries, m, k=30)
+        for q, hits in zip(queries, batch):
+            ids, scores = brute(gallery_of(tasks, m), q, 30)
+            assert [h.item_id for h in hits] == ids
+            np.testing.assert_allclose([h.score for h in hits], scores, atol=1e-5)
+            assert ranking(index.search(q, m, k=30)) == ranking(hits)
+        assert len({h.task for h in batch[0]}) > 1  # one ranking really spans tasks
+
+
+def test_stored_vectors_are_unit_norm(index):
+    t = tv("a", "1", scale=50.0)
+    index.append(t)
+    for m in MODALITIES:
+        stored = index.points("a", m)
+        vecs = np.stack([np.frombuffer(stored[i][0], dtype=np.float32) for i in t.item_ids])
+        np.testing.assert_allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-5)
+        np.testing.assert_allclose(vecs, unit(getattr(t, m)), atol=1e-5)
+
+
+def test_wrong_dimension_and_bad_vectors_refused_without_change(index):
+    index.append(tv("a", "1"))
+    before, state = checksums(index, "a"), index.state()
+    with pytest.raises(VectorIndexError, match=r"dimension 8.*dimension 16"):
+        index.append(tv("b", "2", dim=8))
+    with pytest.raises(VectorIndexError, match=r"dimension 8.*dimension 16"):
+        index.search(np.ones(8), "image")
+    with pytest.raises(VectorIndexError, match="dimension 8"):
+        index.search_batch(np.ones((3, 8)), "text")
+    bad = tv("b", "2")
+    bad.image[3] = 0.0
+    with pytest.raises(VectorIndexError, match="zero vector at row 3"):
+        index.append(bad)
+    bad = tv("b", "2")
+    bad.text[1, 2] = np.nan
+    with pytest.raises(VectorIndexError, match="NaN"):
+        index.append(bad)
+    with pytest.raises(VectorIndexError, match="zero vector"):
+        index.search(np.zeros(DIM), "image")
+    with pytest.raises(VectorIndexError, match="NaN or infinite"):
+        index.search(np.full(DIM, np.inf), "image")
+    assert index.state() == state and checksums(index, "a") == before
+
+
+def test_lineages_are_separate(make):
+    shared, other = make(), make("txt2im")
+    shared.append(tv("a", "1"))
+    assert other.state()["tasks"] == {} and other.state()["lineage"] == "txt2im"
+    with pytest.raises(VectorIndexError, match="empty"):
+        other.search(np.ones(DIM), "image")
+    other.append(tv("z", "7"))
+    assert set(shared.state()["tasks"]) == {"a"} and set(other.state()["tasks"]) == {"z"}
+    assert {(h.lineage, h.task) for h in shared.search(np.ones(DIM), "image", k=50)} == {("shared", "a")}
+    assert {(h.lineage, h.task) for h in other.search(np.ones(DIM), "text", k=50)} == {("txt2im", "z")}
+    with pytest.raises(VectorIndexError, match="unknown task 'a'"):
+        other.search(np.ones(DIM), "image", task="a")
+    for bad in ("audio", "images", None):
+        with pytest.raises(VectorIndexError, match="target_modality"):
+            shared.search(np.ones(DIM), bad)
+    with pytest.raises(VectorIndexError, match="lineage"):
+        make("no/slash")
+
+
+def test_concurrent_searches_never_mix_generations(index):
+    names = ["a", "b", "c", "d"]
+    index.reindex([tv(t, "1") for t in names])
+    q = np.random.default_rng(2).standard_normal(DIM)
+    seen, errors, started, stop = [], [], threading.Event(), threading.Event()
+
+    def reader():
+        try:
+            i = after = 0
+            while after < 4:  # keeps searching until a few searches after the last switch
+                after += stop.is_set()
+                hits = index.search(q, "image", k=40) if i % 2 else index.search(q, "text", task=names[i % 4], k=5)
+                seen.append({(h.index_generation, h.model_version) for h in hits})
+                started.set()
+                i += 1
+                time.sleep(0.0005)  # a busy loop would starve the writer thread of the GIL
+        except Exception as exc:  # noqa: BLE001 - surfaced by the assertion below
+            errors.append(exc)
+            started.set()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    started.wait(10)
+    index.reindex([tv(t, "2") for t in names])
+    index.reindex([tv(t, "3") for t in names])
+    stop.set()
+    thread.join(30)
+    assert not errors, errors
+    assert all(len(s) == 1 for s in seen)  # never two generations/versions in one result
+    kinds = set().union(*seen)
+    assert kinds <= {(1, "1"), (2, "2"), (3, "3")} and {(1, "1"), (3, "3")} <= kinds
+
+
+def test_search_retries_when_its_snapshot_was_dropped(make, monkeypatch):
+    """A reader holding a stale state (another process switched and dropped it) retries on the new one."""
+    reader, writer = make(), make()
+    writer.append(tv("a", "1"))
+    stale = copy.deepcopy(reader._read())
+    writer.reindex([tv("a", "2")])
+    reads = []
+
+    def first_stale(self):
+        reads.append(1)
+        return stale if len(reads) == 1 else type(self)._read(self)
+
+    monkeypatch.setattr(reader, "_read", types.MethodType(first_stale, reader))
+    hits = reader.search(np.ones(DIM), "image", k=5)
+    assert len(reads) >= 2 and {(h.model_version, h.index_generation) for h in hits} == {("2", 2)}
+
+
+def test_one_task_reindex_equals_no_reindex(make):
+    noreindex, reindexed = make("noreindex"), make("reindex")
+    noreindex.append(tv("a", "1"))
+    reindexed.reindex([tv("a", "1")])
+    queries = np.random.default_rng(3).standard_normal((4, DIM))
+    for m in MODALITIES:
+        for task in ("a", None):
+            got = [list(map(ranking, idx.search_batch(queries, m, task=task, k=20))) for idx in (noreindex, reindexed)]
+            assert got[0] == got[1]
+
+
+def test_reappend_is_idempotent(index):
+    index.append(tv("a", "1"))
+    index.append(tv("b", "2"))
+    before, others = index.points("a", "image"), checksums(index, "b")
+    state = index.append(tv("a", "1"))
+    assert state["generation"] == 1 and state["tasks"]["a"]["counts"] == {"image": 20, "text": 20}
+    after = index.points("a", "image")
+    assert sorted(after) == sorted(before) and checksums(index, "b") == others
+    # same vectors (local mode re-normalises an overwritten point, which may move its last bit)
+    np.testing.assert_allclose([np.frombuffer(after[i][0], np.float32) for i in before],
+                               [np.frombuffer(before[i][0], np.float32) for i in before], atol=1e-6)
+    assert len(index.search(np.ones(DIM), "image", k=100)) == 40  # no duplicates
+    assert len(index.append(tv("a", "1", n=12))["tasks"]) == 2  # a rerun with fewer items replaces the task
+    assert len(index.points("a", "text")) == 12 and len(index.search(np.ones(DIM), "text", k=100)) == 32
+    if isinstance(index, EdgeIndex):  # replaced segments are deleted, never left behind
+        assert len([p for p in index._dir.glob("g1/*")]) == 4
+
+
+def test_append_under_another_version_refused(index):
+    index.append(tv("a", "1"))
+    before = checksums(index, "a")
+    with pytest.raises(VectorIndexError, match="reindex"):
+        index.append(tv("a", "2"))
+    assert checksums(index, "a") == before and index.state()["tasks"]["a"]["model_version"] == "1"
+    with pytest.raises(VectorIndexError, match="already used by task .a. under version 1"):
+        index.append(TaskVectors("b", 1, "1", ["a-000"], np.ones((1, DIM)), np.ones((1, DIM)), ["x"]))
+
+
+def test_failed_reindex_leaves_serving_generation(index, monkeypatch):
+    for t, v in (("a", "1"), ("b", "2")):
+        index.append(tv(t, v))
+    q = np.random.default_rng(4).standard_normal((3, DIM))
+    state, results = index.state(), [list(map(ranking, index.search_batch(q, m, k=15))) for m in MODALITIES]
+
+    def unchanged():
+        assert index.state() == state
+        assert [list(map(ranking, index.search_batch(q, m, k=15))) for m in MODALITIES] == results
+
+    bad_dim = [tv("a", "5"), tv("b", "5", dim=12)]
+    with pytest.raises(VectorIndexError, match=r"dimension 12.*dimension 16"):
+        index.reindex(bad_dim)
+    short = tv("b", "5")
+    short.captions = short.captions[:-1]
+    with pytest.raises(VectorIndexError, match="lengths differ"):
+        index.reindex([tv("a", "5"), short])
+    with pytest.raises(VectorIndexError, match="one model version"):
+        index.reindex([tv("a", "5"), tv("b", "6")])
+    unchanged()
+    assert stored_generations(index) == {1}
+
+    write, calls = type(index)._write, []
+
+    def crash_on_third(self, *args):
+        calls.append(args[1:3])
+        if len(calls) == 3:
+            raise OSError("disk full")
+        return write(self, *args)
+
+    monkeypatch.setattr(type(index), "_write", crash_on_third)
+    with pytest.raises(OSError, match="disk full"):
+        index.reindex([tv("a", "5"), tv("b", "5")])
+    monkeypatch.undo()
+    assert stored_generations(index) == {1, 2}  # a half-built g2 exists on storage but is never served
+    unchanged()
+    state = index.reindex([tv("a", "5"), tv("b", "5")])
+    assert state["generation"] == 2 and stored_generations(index) == {2}
+    assert state["tasks"]["b"]["counts"] == {"image": 20, "text": 20}
+    assert {h.model_version for h in index.search(np.ones(DIM), "image", k=40)} == {"5"}
+
+
+def test_input_errors(index):
+    with pytest.raises(VectorIndexError, match="empty"):
+        index.search(np.ones(DIM), "image")
+    with pytest.raises(VectorIndexError, match="non-empty list of TaskVectors"):
+        index.reindex([])
+    with pytest.raises(VectorIndexError, match="non-empty list of TaskVectors"):
+        index.reindex([{"task": "a"}])
+    index.append(tv("a", "1"))
+    index.append(tv("b", "2"))
+    with pytest.raises(VectorIndexError, match=r"unknown task 'zz'; indexed tasks: \['a', 'b'\]"):
+        index.search(np.ones(DIM), "image", task="zz")
+    with pytest.raises(VectorIndexError, match="unknown task"):
+        index.points("zz", "image")
+    for k in (0, -1, 1001, 2.5, True):
+        with pytest.raises(VectorIndexError, match="k must be"):
+            index.search(np.ones(DIM), "image", k=k)
+    assert len(index.search(np.ones(DIM), "image", k=1000)) == 40
+    with pytest.raises(VectorIndexError, match="TaskVectors"):
+        index.append({"task": "c"})
+    with pytest.raises(VectorIndexError, match="task twice"):
+        index.reindex([tv("a", "3"), tv("a", "3")])
+    with pytest.raises(VectorIndexError, match="unique across tasks"):
+        index.reindex([tv("a", "3"), TaskVectors("c", 2, "3", ["a-001"], np.ones((1, DIM)), np.ones((1, DIM)), ["x"])])
+    with pytest.raises(VectorIndexError, match="model_version"):
+        index.append(TaskVectors("c", 2, "", ["x"], np.ones((1, DIM)), np.ones((1, DIM)), ["x"]))
+    assert set(index.state()["tasks"]) == {"a", "b"}
+
+
+def test_normalize_per_task_merge(index):
+    """Task A's scores are uniformly high, task B has one outlier: raw picks A first, z-scores pick B's outlier."""
+    q = np.eye(DIM)[0]
+
+    def task(name, version, cosines):
+        rows = np.stack([c * q + np.sqrt(1 - c * c) * np.eye(DIM)[j + 1] for j, c in enumerate(cosines)])
+        return TaskVectors(name, 0 if name == "A" else 1, version, [f"{name}{j}" for j in range(len(cosines))],
+                           rows, rows, [f"{name} {j}" for j in range(len(cosines))])
+
+    index.append(task("A", "1", [0.9, 0.88, 0.86, 0.84]))
+    index.append(task("B", "2", [0.6, 0.1, 0.0, -0.1]))
+    raw = index.search(q, "image", k=3)
+    assert [h.item_id for h in raw] == ["A0", "A1", "A2"]
+    z = index.search(q, "image", k=3, normalize_per_task=True)
+    # z(B0) = 1.68 > z(A0) = 1.34 > z(A1) = 0.45 > z(B1) = -0.20
+    assert [h.item_id for h in z] == ["B0", "A0", "A1"]
+    assert z[0].score == pytest.approx(0.6, abs=1e-5)  # the score stays the raw cosine
+    assert [h.item_id for h in index.search(q, "image", task="B", k=2, normalize_per_task=True)] == ["B0", "B1"]
+
+
+SEARCH_SCRIPT = """
+import json, sys, numpy as np
+from services.index import EdgeIndex, TaskVectors
+idx = EdgeIndex(sys.argv[1])
+if sys.argv[2] == "append":
+    rng = np.random.default_rng(9)
+    idx.append(TaskVectors("late", 5, "6", [f"late-{i}" for i in range(10)], rng.standard_normal((10, 16)),
+                           rng.standard_normal((10, 16)), ["late"] * 10))
+hits = idx.search(np.ones(16), "text", k=50)
+print(json.dumps([[h.item_id, round(h.score, 5), h.model_version] for h in hits]))
+idx.close()
+"""
+
+
+def run_script(root, mode):
+    out = subprocess.run([sys.executable, "-c", SEARCH_SCRIPT, str(root), mode], cwd=REPO, capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_edge_second_process_reads_and_writes(tmp_path):
+    root = tmp_path / "edge"
+    writer = EdgeIndex(root)
+    writer.append(tv("a", "1"))
+    writer.append(tv("b", "2"))
+    mine = [[h.item_id, round(h.score, 5), h.model_version] for h in writer.search(np.ones(DIM), "text", k=50)]
+    assert run_script(root, "search") == mine  # while this process still has the segments open
+    writer.close()
+    assert run_script(root, "search") == mine
+
+    reader = EdgeIndex(root)  # opened before another process appends a task
+    assert set(reader.state()["tasks"]) == {"a", "b"} and len(reader.search(np.ones(DIM), "image", k=100)) == 40
+    other = run_script(root, "append")
+    assert {h[0].split("-")[0] for h in other} == {"a", "b", "late"}
+    assert set(reader.state()["tasks"]) == {"a", "b", "late"}
+    hits = reader.search(np.ones(DIM), "text", task="late", k=20)
+    assert len(hits) == 10 and {h.model_version for h in hits} == {"6"}
+    assert [[h.item_id, round(h.score, 5), h.model_version] for h in reader.search(np.ones(DIM), "text", k=50)] == other
+    reader.close()
+
+
+def test_server_payload_indexes_before_upload(monkeypatch):
+    client = QdrantClient(location=":memory:")
+    log = []
+    for method in ("create_payload_index", "upsert"):
+        original = getattr(client, method)
+
+        def spy(collection_name, *args, _original=original, _method=method, **kwargs):
+            log.append((_method, collection_name, kwargs.get("field_name", args[0] if args else None),
+                        kwargs.get("field_schema")))
+            return _original(collection_name, *args, **kwargs)
+
+        monkeypatch.setattr(client, method, spy)
+    idx = ServerIndex(client, name="cs")
+    idx.append(tv("a", "1"))
+    idx.reindex([tv("a", "2")])
+    collections = {c.name for c in client.get_collections().collections}
+    assert collections == {"cs-shared-g2-image", "cs-shared-g2-text", "cs-shared-state"}
+    assert {a.alias_name: a.collection_name for a in client.get_aliases().aliases} == \
+           {"cs-shared-image": "cs-shared-g2-image", "cs-shared-text": "cs-shared-g2-text"}
+    for coll in ("cs-shared-g1-image", "cs-shared-g1-text", "cs-shared-g2-image", "cs-shared-g2-text"):
+        calls = [entry for entry in log if entry[1] == coll]
+        indexes = {field: schema for method, _, field, schema in calls if method == "create_payload_index"}
+        assert indexes == PAYLOAD_INDEXES
+        first_upsert = next(i for i, entry in enumerate(calls) if entry[0] == "upsert")
+        assert all(entry[0] == "create_payload_index" for entry in calls[:first_upsert]) and first_upsert == 4
+    schema = client.get_collection("cs-shared-g2-image").payload_schema
+    assert schema == {} or set(schema) == set(PAYLOAD_INDEXES)  # local mode keeps none; a server keeps all four
