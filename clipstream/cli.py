@@ -90,6 +90,57 @@ def _bench_index_policy(args) -> None:
     print(index_policy(Settings(), args.tasks, args.seed, args.method, args.workers, args.set, Path(args.out)))
 
 
+def _serve(args) -> None:
+    from services import app
+    from training.job import init_ray
+
+    settings = Settings()
+    init_ray(settings)
+    app.start(settings, replicas=args.replicas)
+    print(f"serving clipstream.v1.Encoder and clipstream.v1.Search on 0.0.0.0:{settings.grpc_port} "
+          "(reflection and grpc.health.v1 on); Ctrl-C stops", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+
+
+def _address(args) -> str:
+    return args.address or f"127.0.0.1:{Settings().grpc_port}"
+
+
+def _encode(args) -> None:
+    from services.client import Client
+
+    with Client(_address(args)) as client:
+        vectors, version = (client.encode_image(args.image, model_version=args.model_version) if args.image
+                            else client.encode_text(args.text, model_version=args.model_version))
+    for item, vector in zip(args.image or args.text, vectors):
+        print(f"{str(item)[:40]:<40} " + " ".join(f"{v:+.3f}" for v in vector[:8]) + " ...")
+    print(f"{len(vectors)} vectors of dimension {vectors.shape[1]} from model version {version}")
+
+
+def _search(args) -> None:
+    from services.client import Client
+
+    with Client(_address(args)) as client:
+        hits = client.search(text=args.query if not args.image else None, image=args.image, task=args.task or "",
+                             k=args.k, model_version=args.model_version)
+    print(format_hits(hits, args.query if not args.image else args.image, args.task))
+
+
+def format_hits(hits: list[dict], query, task) -> str:
+    scope = f"task-known ({task})" if task else "task-unknown (all tasks)"
+    version = hits[0]["query_model_version"] if hits else "-"
+    lines = [f"query {str(query)!r}, {scope}, encoded by version {version}",
+             f"{'#':>2} {'score':>6}  {'task':<20} {'item':<28} {'ver':>3} {'gen':>3}  caption"]
+    for i, h in enumerate(hits, 1):
+        lines.append(f"{i:>2} {h['score']:6.3f}  {h['task']:<20} {h['item_id']:<28} {h['model_version']:>3} "
+                     f"{h['index_generation']:>3}  {h['caption'] or ''}")
+    return "\n".join(lines)
+
+
 def _runs(args) -> None:
     from training.registry import Registry
 
@@ -107,6 +158,47 @@ def _runs(args) -> None:
               f"{m.get('known/forgetting', float('nan')):6.1f} {m.get('known/BWT', float('nan')):6.1f}")
 
 
+def _promote(args) -> None:
+    from clipstream.promotion import PromotionError, format_gates, promote
+
+    try:
+        result = promote(Settings(), args.version, force=args.force, index=not args.no_index)
+    except PromotionError as exc:
+        if exc.gates:
+            print(format_gates(exc.gates))
+        raise
+    _print_promotion(result)
+
+
+def _rollback(args) -> None:
+    from clipstream.promotion import rollback
+
+    _print_promotion(rollback(Settings(), index=not args.no_index))
+
+
+def _print_promotion(result: dict) -> None:
+    from clipstream.promotion import format_gates
+
+    print(format_gates(result["gates"]))
+    before = f"v{result['from_version']}" if result["from_version"] else "none"
+    forced = " (forced past failed gates)" if result["forced"] else ""
+    print(f"production: {before} -> v{result['to_version']} [{result['reason']}]{forced}")
+
+
+def _history(args) -> None:
+    from clipstream.promotion import history
+
+    records = history(Settings())
+    if not records:
+        print("no promotions yet (promote a version with `clipstream promote VERSION`)")
+        return
+    header = f"{'time (UTC)':<19}  {'from':>5} {'to':>5}  {'reason':<9} {'user':<16} forced"
+    print(header + "\n" + "-" * len(header))
+    for r in records:
+        print(f"{r['time'][:19].replace('T', ' '):<19}  {r['from_version'] or '-':>5} {r['to_version']:>5}  "
+              f"{r['reason']:<9} {r['user']:<16} {'yes' if r['forced'] else 'no'}")
+
+
 def _demo(args) -> None:
     from training.data.synth import synthesize
     from training.job import run_task
@@ -121,8 +213,37 @@ def _demo(args) -> None:
         result = run_task(folder, args.method, parent, args.workers, args.set, settings)
         parent = result.version
     _print_result(result)
+    if not args.no_serve:
+        _demo_serve(settings, result.version, dirs)
     print(f"\nMLflow: `mlflow ui --backend-store-uri {settings.mlflow_tracking_uri}` then open http://127.0.0.1:5000 "
           f"(experiment {settings.stream!r}, registered model {settings.stream!r})")
+
+
+def _demo_serve(settings: Settings, version: str, dirs: list[Path]) -> None:
+    """Index, promote and serve the final version, then ask it a few questions over gRPC."""
+    from ray import serve
+
+    from clipstream.promotion import promote
+    from services import app
+    from services.client import Client
+    from training.data.task import Task
+
+    print(f"\n== promote v{version}: index its gallery ({settings.index_policy}), then move alias production "
+          "(forced: fine-tuning forgets, which is what the forgetting gate is for)")
+    _print_promotion(promote(settings, version, force=True))
+    print(f"\n== serve gRPC Encoder + Search on port {settings.grpc_port}")
+    app.start(settings)
+    first, last = (Task.load(d).check("test").rows[0] for d in (dirs[0], dirs[-1]))
+    try:
+        with Client(f"127.0.0.1:{settings.grpc_port}") as client:
+            for query, task in ((first["caption"], dirs[0].name), (first["caption"], None), (last["caption"], None)):
+                print()
+                print(format_hits(client.search(text=query, task=task or "", k=5), query, task))
+            image = Task.load(dirs[-1]).root / last["image"]
+            print()
+            print(format_hits(client.search(image=image, task=dirs[-1].name, k=3), f"image {last['image']}", dirs[-1].name))
+    finally:
+        serve.shutdown()
 
 
 def parser() -> argparse.ArgumentParser:
@@ -171,6 +292,34 @@ def parser() -> argparse.ArgumentParser:
 
     sub.add_parser("runs", help="registered versions with their key metrics").set_defaults(func=_runs)
 
+    pr = sub.add_parser("promote", help="check a version's gates, index its gallery, move alias production to it")
+    pr.add_argument("version", help="models:/STREAM@ALIAS, an alias or a version number")
+    pr.add_argument("--force", action="store_true", help="promote even when gates fail (recorded as forced)")
+    pr.add_argument("--no-index", action="store_true", help="move the alias without putting the gallery in place")
+    pr.set_defaults(func=_promote)
+    sub.add_parser("history", help="every promotion and rollback, oldest first").set_defaults(func=_history)
+    rb = sub.add_parser("rollback", help="return production to the version before the last promotion")
+    rb.add_argument("--no-index", action="store_true", help="move the alias without putting the gallery in place")
+    rb.set_defaults(func=_rollback)
+
+    sv = sub.add_parser("serve", help="serve gRPC Encoder and Search on Ray Serve (port from Settings)")
+    sv.add_argument("--replicas", type=int, default=1, help="Encoder replicas")
+    sv.set_defaults(func=_serve)
+    en = sub.add_parser("encode", help="embed texts or images through the running service")
+    en.add_argument("text", nargs="*")
+    en.add_argument("--image", action="append", default=[], help="an image file (repeatable)")
+    en.add_argument("--model-version", default="")
+    en.add_argument("--address")
+    en.set_defaults(func=_encode)
+    se = sub.add_parser("search", help="search the index through the running service")
+    se.add_argument("query", nargs="?", help="a text query (or use --image)")
+    se.add_argument("--image", help="an image file as the query")
+    se.add_argument("--task", help="task-known search in this task; omit for task-unknown")
+    se.add_argument("-k", type=int, default=5)
+    se.add_argument("--model-version", default="")
+    se.add_argument("--address")
+    se.set_defaults(func=_search)
+
     bench = sub.add_parser("bench", help="reproducible experiments").add_subparsers(dest="bench_command", required=True)
     policy = bench.add_parser("index-policy", help="no-reindex vs reindex on a synthetic stream")
     policy.add_argument("--tasks", type=int, default=3)
@@ -183,6 +332,7 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--out")
     demo.add_argument("--tasks", type=int, default=3, help="domain tasks (the digits task is added last)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--no-serve", action="store_true", help="stop after training (no indexing, promotion or serving)")
     training_args(demo)
     demo.set_defaults(func=_demo)
     return p
@@ -193,10 +343,15 @@ def main(argv: list[str] | None = None) -> int:
     from training.data.task import DataError
     from training.registry import RegistryError
 
+    import grpc
+
     try:
         args.func(args)
     except (DataError, RegistryError, ValueError, FileNotFoundError) as exc:
         print(f"clipstream: error: {exc}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as exc:  # the service's own status and message
+        print(f"clipstream: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 2
     return 0
 

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import numpy as np
-import ray.data
 import torch
 from PIL import Image
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     ray_address: Optional[str] = Field(None, description="None starts a local Ray; 'auto' or ray://host:port joins a cluster")
     grpc_port: int = Field(9000, ge=1, le=65535)
     runs_dir: Optional[Path] = Field(None, description="Ray Train storage (checkpoints); default HOME/runs")
+    promote_max_forgetting: float = Field(25.0, description="a candidate's task-known mean forgetting (R points) may not exceed this")
+    promote_max_aa_drop: float = Field(0.0, description="a candidate's task-known AA may be at most this far below production's")
+    index_policy: Literal["no-reindex", "reindex"] = Field("no-reindex", description="how promotion puts the gallery in place")
 
     @classmethod
     def settings_customise_sources(

@@ -14,7 +14,8 @@ def _imports(package: str) -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 names |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names.add(node.module)
+                # `from training import models` imports training.models; `from a.b import C` imports a.b
+                names |= {f"{node.module}.{a.name}" for a in node.names} if "." not in node.module else {node.module}
         found[str(path.relative_to(ROOT))] = names
     return found
 

@@ -139,7 +139,7 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
             mlflow.log_dict(matrix.to_dict(), f"matrix_{mode}.json")
         plots = settings.home / "plots" / run_id
         heatmap = known.heatmap(plots / f"{run_name}-known.png", title=f"R[i][j] (Rm, task-known) after {task.name}")
-        unknown_plot = unknown.heatmap(plots / f"{run_name}-unknown.png", title=f"R[i][j] (Rm, task-unknown) after {task.name}")
+        unknown.heatmap(plots / f"{run_name}-unknown.png", title=f"R[i][j] (Rm, task-unknown) after {task.name}")
         mlflow.log_artifacts(str(plots), "plots")
 
         (staging / MANIFEST).write_text(json.dumps({

@@ -93,6 +93,28 @@ def export(bundle: ClipBundle, folder: str | Path) -> Path:
     return folder
 
 
+def download_registered(name: str, version: str, run_id: str, cache: Path, tracking_uri: Optional[str] = None) -> Path:
+    """The checkpoint folder of MLflow model version `models:/NAME/VERSION`, downloaded once into `cache`
+    (versions are immutable; the run id keys the cache so a recreated registry never reads stale files)."""
+    import shutil
+    import tempfile
+
+    import mlflow
+    from mlflow import MlflowClient
+
+    folder = Path(cache) / name / f"v{version}-{run_id}"
+    if not (folder / CONFIG_FILE).is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix="download-", dir=folder.parent))
+        source = MlflowClient(tracking_uri, registry_uri=tracking_uri).get_model_version_download_uri(name, version)
+        local = mlflow.artifacts.download_artifacts(f"{source.rstrip('/')}/artifacts/checkpoint", dst_path=str(staging),
+                                                    tracking_uri=tracking_uri)
+        shutil.rmtree(folder, ignore_errors=True)
+        Path(local).rename(folder)
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
 def prepare_for_deepspeed(model: torch.nn.Module) -> torch.nn.Module:
     """DeepSpeed broadcasts parameters as bytes and cannot view a 0-dim tensor that way, so the
     0-dim `logit_scale` becomes shape [1] while training (open_clip's maths broadcasts either way)."""

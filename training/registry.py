@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +22,7 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from clipstream.settings import Settings
+from training import models
 
 CANDIDATE = "candidate"
 MANIFEST = "clipstream.json"  # lineage, matrix and config inside each version's checkpoint folder
@@ -114,14 +113,8 @@ class Registry:
             raise RegistryError(f"{text}: no such model version in {name!r} ({exc.error_code})") from exc
         version = Version(str(mv.version), dict(mv.tags), mv.run_id, list(mv.aliases))
         if download:
-            cache = self.settings.home / "cache" / name / f"v{mv.version}-{mv.run_id}"
-            version.folder = cache / "artifacts" / "checkpoint"
-            if not (version.folder / MANIFEST).is_file():  # versions are immutable: download once
-                cache.parent.mkdir(parents=True, exist_ok=True)
-                staging = Path(tempfile.mkdtemp(prefix="download-", dir=cache.parent))
-                mlflow.artifacts.download_artifacts(f"models:/{name}/{mv.version}", dst_path=str(staging))
-                shutil.rmtree(cache, ignore_errors=True)
-                staging.rename(cache)
+            version.folder = models.download_registered(name, str(mv.version), mv.run_id, self.settings.home / "cache",
+                                                        self.settings.mlflow_tracking_uri)
             version.manifest = json.loads((version.folder / MANIFEST).read_text())
         return version
 

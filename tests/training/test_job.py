@@ -1,6 +1,5 @@
 """End to end on the embedded stack: Ray Train + DeepSpeed on 2 workers, MLflow on SQLite."""
 
-import json
 
 import pytest
 from mlflow import MlflowClient

@@ -1,6 +1,5 @@
 """The CLIP loss over gathered features equals open_clip's ClipLoss, on one process and across two."""
 
-import os
 import socket
 
 import pytest

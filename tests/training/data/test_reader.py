@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import open_clip
 import pytest
-import torch
 import yaml
 from PIL import Image
 

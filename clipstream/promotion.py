@@ -1,0 +1,204 @@
+"""Promotion: move alias `production` to a version once its gates pass and its gallery is in place.
+
+The gallery is indexed before the alias moves, so the serving stack never sees a production version
+whose tasks are missing from the index. MLflow keeps no alias history, so every promotion is also a
+run in the experiment `STREAM-promotions`; rollback replays that history to find the version to restore.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import math
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from clipstream.settings import Settings
+from training.registry import Registry, RegistryError, Version
+
+PRODUCTION = "production"
+SPLIT = "test"  # the gallery split the serving index holds
+
+
+class PromotionError(ValueError):
+    """A promotion refused (failed gates, nothing to roll back to); nothing has changed."""
+
+    def __init__(self, message: str, gates: list[Gate] = ()):
+        super().__init__(message)
+        self.gates = list(gates)
+
+
+@dataclass
+class Gate:
+    name: str
+    passed: bool
+    value: Any
+    threshold: Any
+    detail: str = ""
+
+
+def check_gates(registry: Registry, candidate: Version, production: Version | None, settings: Settings) -> list[Gate]:
+    """Every gate, passed or not, so a refusal can name them all at once."""
+    metrics = registry.run_metrics(candidate.run_id)
+    forgetting = metrics.get("known/forgetting", math.nan)
+    aa = metrics.get("known/AA", math.nan)
+    gates = [Gate("forgetting", forgetting <= settings.promote_max_forgetting, forgetting, settings.promote_max_forgetting,
+                  "task-known mean forgetting must be <= threshold")]
+    if production is None:
+        return gates + [Gate("aa", True, aa, None, "no production version to compare with"),
+                        Gate("not-production", True, candidate.version, None, "no production version"),
+                        Gate("lineage", True, _tasks(candidate), None, "no production version")]
+    floor = registry.run_metrics(production.run_id).get("known/AA", math.nan) - settings.promote_max_aa_drop
+    key = lambda v: [(e["task"], e.get("data_sha")) for e in v.lineage]
+    extends = key(candidate)[:len(production.lineage)] == key(production)
+    return gates + [
+        Gate("aa", aa >= floor, aa, floor, f"task-known AA must be >= production v{production.version}'s "
+                                           f"minus {settings.promote_max_aa_drop}"),
+        Gate("not-production", candidate.version != production.version, candidate.version, f"!= {production.version}",
+             "the candidate must not already be production"),
+        Gate("lineage", extends, _tasks(candidate), _tasks(production),
+             f"the candidate's tasks (and data) must extend production v{production.version}'s"),
+    ]
+
+
+def promote(settings: Settings, ref: str, *, force: bool = False, reason: str = "promote", index: bool = True) -> dict:
+    """Gates, then the gallery (settings.index_policy), then the alias, then the history record.
+
+    A failed gate refuses unless `force`; a failed indexing leaves the alias where it was."""
+    registry = Registry(settings)
+    candidate = registry.resolve(ref)
+    production = _production(registry)
+    gates = check_gates(registry, candidate, production, settings)
+    failed = [g for g in gates if not g.passed]
+    if failed and not force:
+        raise PromotionError(f"version {candidate.version} not promoted: " + "; ".join(
+            f"{g.name} {_fmt(g.value)} vs threshold {_fmt(g.threshold)} ({g.detail})" for g in failed)
+            + " (use --force to promote anyway)", gates)
+    forced = bool(failed) and reason == "promote"  # a rollback bypasses gates by design: not "forced"
+    state = _put_gallery(settings, registry, candidate) if index else None
+    registry.client.set_registered_model_alias(registry.name, PRODUCTION, candidate.version)
+    record = {"from_version": production.version if production else "", "to_version": candidate.version,
+              "reason": "force" if forced else reason, "user": getpass.getuser(),
+              "time": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
+              "gates": gates, "forced": forced}
+    record["run_id"] = _record(registry, record)
+    return {**record, "index": state}
+
+
+def history(settings: Settings) -> list[dict]:
+    """Every recorded promotion, oldest first."""
+    registry = Registry(settings)
+    found = registry.client.get_experiment_by_name(_experiment_name(registry))
+    if not found:
+        return []
+    runs, token = [], None
+    while True:
+        page = registry.client.search_runs([found.experiment_id], max_results=1000, page_token=token)
+        runs += page
+        token = page.token
+        if not token:
+            break
+    records = [{**{k: r.data.tags.get(k, "") for k in ("from_version", "to_version", "reason", "user", "time")},
+                "forced": r.data.tags.get("forced") == "True", "gates": [Gate(**g) for g in json.loads(r.data.tags.get("gates", "[]"))],
+                "run_id": r.info.run_id} for r in runs]
+    return sorted(records, key=lambda r: r["time"])
+
+
+def rollback(settings: Settings, *, index: bool = True) -> dict:
+    """Restore the production version before the current one; rollbacks undo promotions like a stack,
+    so rolling back twice goes two promotions back rather than toggling."""
+    stack: list[str] = []
+    for record in history(settings):
+        if record["reason"] == "rollback" and stack:
+            stack.pop()
+        if not stack or stack[-1] != record["to_version"]:
+            stack.append(record["to_version"])
+    if len(stack) < 2:
+        raise PromotionError("nothing to roll back to: the promotion history holds no earlier production version"
+                             + (f" than v{stack[-1]}" if stack else " (nothing was promoted yet)"))
+    current = _production(Registry(settings), download=False)
+    if current is None or current.version != stack[-1]:
+        raise PromotionError(f"production is {_v(current)} but the promotion history ends at v{stack[-1]}: the alias "
+                             f"was moved outside `clipstream promote`; promote the version you want explicitly")
+    return promote(settings, stack[-2], force=True, reason="rollback", index=index)
+
+
+def _put_gallery(settings: Settings, registry: Registry, version: Version) -> dict:
+    """no-reindex: append the lineage tasks the index lacks (others keep their vectors); reindex: make the
+    index hold exactly the lineage under this version, in one atomic generation (also drops other tasks)."""
+    from clipstream.indexing import _vectors_for_reindex, index_task
+    from services.index import open_index
+
+    with open_index(settings) as index:
+        state = index.state()
+        if settings.index_policy == "no-reindex":
+            missing = [e for e in version.lineage if e["task"] not in state["tasks"]]
+        else:
+            lineage = {e["task"]: (i, e) for i, e in enumerate(version.lineage)}
+            if set(state["tasks"]) == set(lineage) and all(
+                    t["model_version"] == version.version for t in state["tasks"].values()):
+                return state
+            index.progress = True
+            # not index_task: its reindex keeps every indexed task and adds one, so it can neither fill in
+            # several missing lineage tasks nor drop the newer tasks a rollback leaves behind
+            state = index.reindex([_vectors_for_reindex(index, version, n, lineage, SPLIT) for n in lineage])
+            for key, value in (("index_generation", state["generation"]), ("index_policy", "reindex"),
+                               ("indexed_tasks", ",".join(state["tasks"]))):
+                registry.client.set_model_version_tag(registry.name, version.version, key, str(value))
+            return state
+    for entry in missing:
+        state = index_task(settings, version.version, entry["path"], "no-reindex", SPLIT)
+    return state
+
+
+def format_gates(gates: list[Gate]) -> str:
+    rows = [("gate", "value", "threshold", "result", "detail")] + [
+        (g.name, _fmt(g.value), _fmt(g.threshold), "PASS" if g.passed else "FAIL", g.detail) for g in gates]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4] for r in rows)
+
+
+def _record(registry: Registry, record: dict) -> str:
+    name = _experiment_name(registry)
+    found = registry.client.get_experiment_by_name(name)
+    if found:
+        experiment_id = found.experiment_id
+    else:
+        location = Path(registry.settings.mlflow_artifact_root) / name if registry.settings.embedded_registry else None
+        experiment_id = registry.client.create_experiment(
+            name, artifact_location=location.absolute().as_uri() if location else None)
+    tags = {k: json.dumps([asdict(g) for g in v]) if k == "gates" else str(v) for k, v in record.items()}
+    run = registry.client.create_run(experiment_id, tags=tags,
+                                     run_name=f"{record['reason']} {_v(record['from_version'])} -> v{record['to_version']}")
+    registry.client.set_terminated(run.info.run_id)
+    return run.info.run_id
+
+
+def _production(registry: Registry, download: bool = True) -> Version | None:
+    try:
+        return registry.resolve(PRODUCTION, download=download)
+    except RegistryError:
+        return None
+
+
+def _experiment_name(registry: Registry) -> str:
+    return f"{registry.name}-promotions"
+
+
+def _tasks(version: Version) -> list[str]:
+    return [e["task"] for e in version.lineage]
+
+
+def _v(version) -> str:
+    number = version.version if isinstance(version, Version) else version
+    return f"v{number}" if number else "none"
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    if isinstance(value, list):
+        return ",".join(value)
+    return "-" if value is None else str(value)

@@ -1,0 +1,82 @@
+"""Python client for the clipstream gRPC services: batches large inputs, shows progress, retries while
+the server is UNAVAILABLE (starting, or a replica swapping), and returns numpy arrays."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import grpc
+import numpy as np
+from tqdm import tqdm
+
+from clipstream.v1 import encoder_pb2, encoder_pb2_grpc, search_pb2, search_pb2_grpc
+
+
+class Client:
+    def __init__(self, address: str = "127.0.0.1:9000", *, timeout_s: float = 30.0, retries: int = 5):
+        self.channel = grpc.insecure_channel(address)
+        self.encoder = encoder_pb2_grpc.EncoderStub(self.channel)
+        self.searcher = search_pb2_grpc.SearchStub(self.channel)
+        self.timeout_s, self.retries = timeout_s, retries
+
+    def encode_text(self, texts: Sequence[str], batch_size: int = 64, model_version: str = "",
+                    progress: Optional[bool] = None) -> tuple[np.ndarray, str]:
+        """(unit vectors [N, D], the version that made them)."""
+        return self._encode(list(texts), batch_size, progress, lambda chunk: self._call(
+            self.encoder.EncodeText, encoder_pb2.EncodeTextRequest(texts=chunk, model_version=model_version)))
+
+    def encode_image(self, images: Sequence[str | Path | bytes], batch_size: int = 32, model_version: str = "",
+                     progress: Optional[bool] = None) -> tuple[np.ndarray, str]:
+        data = [x if isinstance(x, bytes) else Path(x).read_bytes() for x in images]
+        return self._encode(data, batch_size, progress, lambda chunk: self._call(
+            self.encoder.EncodeImage, encoder_pb2.EncodeImageRequest(images=chunk, model_version=model_version)))
+
+    def search(self, text: Optional[str] = None, image: Optional[str | Path | bytes] = None,
+               vector: Optional[Iterable[float]] = None, *, task: str = "", k: int = 10, target_modality: str = "",
+               model_version: str = "") -> list[dict]:
+        """Hits best first, as dicts: item_id, task, score, modality, model_version, index_generation, caption."""
+        if sum(x is not None for x in (text, image, vector)) != 1:
+            raise ValueError("give exactly one of text, image or vector")
+        query = ({"text": text} if text is not None else {"vector": search_pb2.Vector(values=list(vector))}
+                 if vector is not None else {"image": image if isinstance(image, bytes) else Path(image).read_bytes()})
+        response = self._call(self.searcher.Search, search_pb2.SearchRequest(
+            task=task, k=k, target_modality=target_modality, model_version=model_version, **query))
+        return [{"item_id": h.item_id, "task": h.task, "score": h.score, "modality": h.modality,
+                 "model_version": h.model_version, "index_generation": h.index_generation,
+                 "caption": h.caption or None, "query_model_version": response.query_model_version}
+                for h in response.hits]
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _encode(self, items: list, batch_size: int, progress: Optional[bool], call) -> tuple[np.ndarray, str]:
+        if not items:
+            raise ValueError("nothing to encode")
+        vectors, versions = [], set()
+        with tqdm(total=len(items), unit="item", disable=not (progress if progress is not None else len(items) > 10 * batch_size)) as bar:
+            for start in range(0, len(items), batch_size):
+                response = call(items[start:start + batch_size])
+                vectors.append(np.array([e.values for e in response.embeddings], dtype=np.float32))
+                versions.add(response.model_version)
+                bar.update(len(response.embeddings))
+        if len(versions) > 1:  # production moved mid-way: vectors from two versions must not be mixed
+            raise RuntimeError(f"the production version changed during the request ({sorted(versions)}); "
+                               "retry, or pin model_version")
+        return np.concatenate(vectors), versions.pop()
+
+    def _call(self, method, request):
+        for attempt in range(self.retries + 1):
+            try:
+                return method(request, timeout=self.timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
+                    raise
+                time.sleep(min(0.2 * 2 ** attempt, 5.0))

@@ -1,0 +1,161 @@
+"""Promotion gates, history and rollback on a real MLflow registry (SQLite) with versions made without
+training: a tiny exported model registered with chosen lineage and metrics."""
+
+import getpass
+import json
+import shutil
+
+import mlflow
+import pytest
+import torch
+
+from clipstream.cli import main
+from clipstream.promotion import PromotionError, history, promote, rollback
+from services.index import open_index
+from training import models
+from training.data.task import DataError, Task
+from training.registry import MANIFEST, Registry
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("export") / "checkpoint"
+    models.export(models.create("clipstream-vit-tiny"), folder)
+    torch.save({}, folder / "method_state.pt")
+    return folder
+
+
+@pytest.fixture
+def make(settings, exported, tmp_path):
+    """make(task_dirs, aa, forgetting, parent) registers the next version with that lineage and metrics."""
+    registry = Registry(settings)
+
+    def _make(dirs, aa, forgetting, parent=""):
+        tasks = [Task.load(d) for d in dirs]
+        lineage = [{"task": t.name, "path": str(t.root), "data_sha": "sha-" + t.name} for t in tasks]
+        folder = tmp_path / f"v{len(registry.versions()) + 1}" / "checkpoint"
+        shutil.copytree(exported, folder)
+        (folder / MANIFEST).write_text(json.dumps({"lineage": lineage, "matrix": {}}))
+        tags = {"task": tasks[-1].name, "task_index": str(len(tasks) - 1), "method": "finetune",
+                "parent_version": parent, "data_sha": lineage[-1]["data_sha"]}
+        with registry.run(f"{len(tasks) - 1:02d}-{tasks[-1].name}", tags):
+            mlflow.log_metrics({"known/AA": aa, "known/forgetting": forgetting})
+            return registry.register(folder, tags)
+
+    return _make
+
+
+def _production(settings):
+    return Registry(settings).resolve("production", download=False).version
+
+
+def test_promote_checks_gates_moves_production_and_records_history(settings, stream, make):
+    assert history(settings) == []
+    v1 = make(stream[:1], aa=50.0, forgetting=0.0)
+    v2 = make(stream, aa=48.0, forgetting=5.0, parent=v1)
+    first = promote(settings, v1, index=False)
+    assert _production(settings) == v1 and first["from_version"] == "" and first["index"] is None
+    assert {g.name: g.passed for g in first["gates"]} == {"forgetting": True, "aa": True, "not-production": True,
+                                                           "lineage": True}
+    settings = settings.model_copy(update={"promote_max_aa_drop": 2.0})  # 48 >= 50 - 2
+    promote(settings, f"models:/{settings.stream}/{v2}", index=False)
+    assert _production(settings) == v2
+    records = history(settings)
+    assert [(r["from_version"], r["to_version"], r["reason"], r["forced"]) for r in records] == [
+        ("", v1, "promote", False), (v1, v2, "promote", False)]
+    assert records[0]["time"] < records[1]["time"] and records[1]["user"] == getpass.getuser()
+    aa = next(g for g in records[1]["gates"] if g.name == "aa")
+    assert aa.value == 48.0 and aa.threshold == 48.0 and aa.passed
+
+
+def test_failing_gates_refuse_and_name_every_failure_unless_forced(settings, stream, make):
+    v1 = make(stream[:1], aa=50.0, forgetting=0.0)
+    bad = make(stream, aa=30.0, forgetting=40.0, parent=v1)
+    branch = make(stream[1:], aa=60.0, forgetting=0.0)  # another branch of the stream: starts at task 1
+    promote(settings, v1, index=False)
+    with pytest.raises(PromotionError) as refused:
+        promote(settings, bad, index=False)
+    message = str(refused.value)
+    assert "forgetting 40.00 vs threshold 25.00" in message and "aa 30.00 vs threshold 50.00" in message
+    assert "lineage" not in message and {g.name for g in refused.value.gates if not g.passed} == {"forgetting", "aa"}
+    with pytest.raises(PromotionError, match="lineage task-01-furnishing vs threshold task-00-household"):
+        promote(settings, branch, index=False)
+    with pytest.raises(PromotionError, match=r"not-production 1 vs threshold != 1"):
+        promote(settings, "production", index=False)
+    assert _production(settings) == v1 and len(history(settings)) == 1
+
+    forced = promote(settings, bad, force=True, index=False)
+    assert _production(settings) == bad and forced["forced"] and forced["reason"] == "force"
+    assert (history(settings)[-1]["reason"], history(settings)[-1]["forced"]) == ("force", True)
+
+
+def test_rollback_undoes_promotions_in_order(settings, stream, make):
+    with pytest.raises(PromotionError, match="nothing to roll back to.*nothing was promoted yet"):
+        rollback(settings)
+    v1 = make(stream[:1], aa=50.0, forgetting=0.0)
+    v2 = make(stream, aa=55.0, forgetting=1.0, parent=v1)
+    v3 = make(stream, aa=56.0, forgetting=1.0, parent=v1)
+    for v in (v1, v2, v3):
+        promote(settings, v, index=False)
+    back = rollback(settings, index=False)
+    assert (back["from_version"], back["to_version"], back["reason"], back["forced"]) == (v3, v2, "rollback", False)
+    assert not next(g for g in back["gates"] if g.name == "aa").passed  # recorded, not enforced
+    rollback(settings, index=False)
+    assert _production(settings) == v1
+    with pytest.raises(PromotionError, match="no earlier production version than v1"):
+        rollback(settings, index=False)
+    assert [r["reason"] for r in history(settings)] == ["promote"] * 3 + ["rollback"] * 2
+
+
+def test_cli_promote_history_rollback(settings, stream, make, capsys):
+    v1 = make(stream[:1], aa=50.0, forgetting=0.0)
+    v2 = make(stream, aa=20.0, forgetting=30.0, parent=v1)
+    assert main(["history"]) == 0 and "no promotions yet" in capsys.readouterr().out
+    assert main(["rollback"]) == 2 and "nothing to roll back to" in capsys.readouterr().err
+    assert main(["promote", v1, "--no-index"]) == 0
+    out = capsys.readouterr().out
+    assert "production: none -> v1" in out
+    assert [line.split()[3] for line in out.splitlines()[1:5]] == ["PASS"] * 4
+
+    assert main(["promote", v2, "--no-index"]) == 2
+    captured = capsys.readouterr()
+    rows = {line.split()[0]: line for line in captured.out.splitlines()[1:]}
+    assert "30.00" in rows["forgetting"] and "25.00" in rows["forgetting"] and "FAIL" in rows["forgetting"]
+    assert "FAIL" in rows["aa"] and "PASS" in rows["lineage"]
+    assert captured.err.startswith("clipstream: error: version 2 not promoted") and "Traceback" not in captured.err
+    assert main(["promote", v2, "--force", "--no-index"]) == 0
+    assert "production: v1 -> v2 [force] (forced past failed gates)" in capsys.readouterr().out
+    assert main(["rollback", "--no-index"]) == 0 and "production: v2 -> v1 [rollback]" in capsys.readouterr().out
+    assert main(["history"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[2:] for line in lines[2:]] == [
+        ["-", "1", "promote", getpass.getuser(), "no"], ["1", "2", "force", getpass.getuser(), "yes"],
+        ["2", "1", "rollback", getpass.getuser(), "no"]]
+    assert main(["promote", "7"]) == 2 and "7: no such model version" in capsys.readouterr().err
+
+
+def _indexed(settings):
+    with open_index(settings) as index:
+        state = index.state()
+    return state["generation"], {t: e["model_version"] for t, e in state["tasks"].items()}
+
+
+def test_promotion_indexes_the_gallery_before_moving_the_alias(ray_cluster, settings, stream, make, tmp_path):
+    t0, t1 = (Task.load(d).name for d in stream)
+    v1 = make(stream[:1], aa=50.0, forgetting=0.0)
+    gone = shutil.copytree(stream[1], tmp_path / "gone" / stream[1].name)
+    broken = make([stream[0], gone], aa=55.0, forgetting=0.0, parent=v1)
+    shutil.rmtree(gone)
+    v2 = make(stream, aa=55.0, forgetting=0.0, parent=v1)
+
+    assert promote(settings, v1)["index"]["tasks"][t0]["model_version"] == v1
+    with pytest.raises(DataError, match="task directory not found"):
+        promote(settings, broken)
+    assert _production(settings) == v1 and len(history(settings)) == 1
+
+    promote(settings, v2)  # no-reindex: task 0 keeps version 1's vectors, task 1 is appended with version 2
+    assert _indexed(settings) == (1, {t0: v1, t1: v2})
+    reindex = settings.model_copy(update={"index_policy": "reindex"})
+    rollback(reindex)  # the gallery becomes exactly version 1's lineage, in one new generation
+    assert _indexed(settings) == (2, {t0: v1}) and _production(settings) == v1
+    assert Registry(settings).resolve(v1, download=False).tags["index_policy"] == "reindex"

@@ -1,0 +1,130 @@
+"""The Encoder over real gRPC on loopback against a real Ray Serve app."""
+
+import io
+import threading
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from PIL import Image
+
+from clipstream.v1 import encoder_pb2
+from services import app
+from services.versions import VersionStore
+from tests.services.conftest import png as _png
+
+
+def _vectors(response):
+    return np.array([e.values for e in response.embeddings], dtype=np.float32)
+
+
+def test_encode_text_equals_the_in_process_model_and_names_the_version(served):
+    settings, _, stub, (v1, v2) = served
+    texts = ["a large red lamp in the top left", "a small blue cup on a striped background"]
+    response = stub.EncodeText(encoder_pb2.EncodeTextRequest(texts=texts))
+    assert response.model_version == v1 and response.dim == 64
+    local = VersionStore(settings.mlflow_tracking_uri, settings.stream, settings.home / "cache").load(v1)
+    with torch.no_grad():
+        expected = local.model.encode_text(local.tokenizer(texts), normalize=True).numpy()
+    assert np.allclose(_vectors(response), expected, atol=1e-5)
+    other = stub.EncodeText(encoder_pb2.EncodeTextRequest(texts=texts, model_version=v2))
+    assert other.model_version == v2 and not np.allclose(_vectors(other), expected, atol=1e-3)
+
+
+def test_encode_image_equals_the_in_process_model(served):
+    settings, _, stub, (v1, _) = served
+    images = [_png("red"), _png("navy")]
+    response = stub.EncodeImage(encoder_pb2.EncodeImageRequest(images=images))
+    local = VersionStore(settings.mlflow_tracking_uri, settings.stream, settings.home / "cache").load(v1)
+    pixels = torch.stack([local.preprocess_val(Image.open(io.BytesIO(b)).convert("RGB")) for b in images])
+    with torch.no_grad():
+        expected = local.model.encode_image(pixels, normalize=True).numpy()
+    assert response.model_version == v1
+    assert np.allclose(_vectors(response), expected, atol=1e-5)
+    assert np.allclose(np.linalg.norm(_vectors(response), axis=1), 1, atol=1e-5)
+
+
+@pytest.mark.parametrize("call, code, words", [
+    (lambda s: s.EncodeText(encoder_pb2.EncodeTextRequest(texts=[])), grpc.StatusCode.INVALID_ARGUMENT, "empty batch"),
+    (lambda s: s.EncodeText(encoder_pb2.EncodeTextRequest(texts=[" "])), grpc.StatusCode.INVALID_ARGUMENT, "text 0 is empty"),
+    (lambda s: s.EncodeText(encoder_pb2.EncodeTextRequest(texts=["a"] * 9)), grpc.StatusCode.RESOURCE_EXHAUSTED, "limit is 8"),
+    (lambda s: s.EncodeText(encoder_pb2.EncodeTextRequest(texts=["a" * 101])), grpc.StatusCode.RESOURCE_EXHAUSTED, "limit is 100"),
+    (lambda s: s.EncodeImage(encoder_pb2.EncodeImageRequest(images=[b"not an image"])), grpc.StatusCode.INVALID_ARGUMENT, "not a decodable image"),
+    (lambda s: s.EncodeImage(encoder_pb2.EncodeImageRequest(images=[b"0" * 200_001])), grpc.StatusCode.RESOURCE_EXHAUSTED, "200000 bytes"),
+    (lambda s: s.EncodeText(encoder_pb2.EncodeTextRequest(texts=["a"], model_version="99")), grpc.StatusCode.NOT_FOUND, "'99' not found"),
+    (lambda s: s.EncodeText(encoder_pb2.EncodeTextRequest(texts=["a"], model_version="staging")), grpc.StatusCode.NOT_FOUND, "'staging' not found"),
+])
+def test_bad_requests_get_the_right_status_and_the_server_keeps_serving(served, call, code, words):
+    _, _, stub, _ = served
+    with pytest.raises(grpc.RpcError) as err:
+        call(stub)
+    assert err.value.code() == code and words in err.value.details()
+    assert len(stub.EncodeText(encoder_pb2.EncodeTextRequest(texts=["still here"])).embeddings) == 1
+
+
+def test_concurrent_requests_are_batched(served):
+    from ray import serve
+
+    _, _, stub, _ = served
+    results, threads = [], []
+    for i in range(24):
+        t = threading.Thread(target=lambda i=i: results.append(stub.EncodeText(encoder_pb2.EncodeTextRequest(texts=[f"cup {i}"]))))
+        threads.append(t)
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 24
+    sizes = serve.get_deployment_handle("Encoder", app.APP).BatchSizes.remote().result()
+    assert max(sizes) > 1
+
+
+def test_health_and_reflection_work_without_our_stubs(served):
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    _, channel, _, (v1, _) = served
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "clipstream.v1.Encoder"):
+        assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+
+    reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+    listed = next(reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in listed.list_services_response.service}
+    assert "clipstream.v1.Encoder" in names
+    found = next(reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+        file_containing_symbol="clipstream.v1.Encoder")])))
+    pool = descriptor_pool.DescriptorPool()
+    for raw in found.file_descriptor_response.file_descriptor_proto:
+        pool.Add(descriptor_pb2.FileDescriptorProto.FromString(raw))
+    method = pool.FindServiceByName("clipstream.v1.Encoder").FindMethodByName("EncodeText")
+    request_cls = message_factory.GetMessageClass(method.input_type)
+    response_cls = message_factory.GetMessageClass(method.output_type)
+    call = channel.unary_unary("/clipstream.v1.Encoder/EncodeText", request_serializer=request_cls.SerializeToString,
+                               response_deserializer=response_cls.FromString)
+    response = call(request_cls(texts=["a red triangle"]))
+    assert response.model_version == v1 and len(response.embeddings[0].values) == response.dim == 64
+
+
+def test_moving_the_production_alias_swaps_the_model_without_a_restart(served):
+    import time
+
+    from training.registry import Registry
+
+    settings, _, stub, (v1, v2) = served
+    registry = Registry(settings)
+    registry.client.set_registered_model_alias(registry.name, "production", v2)
+    try:
+        deadline = time.monotonic() + 20
+        seen = set()
+        while time.monotonic() < deadline and v2 not in seen:
+            seen.add(stub.EncodeText(encoder_pb2.EncodeTextRequest(texts=["a cup"])).model_version)
+            time.sleep(0.2)
+        assert v2 in seen and seen <= {v1, v2}
+    finally:  # and back: later tests expect v1
+        registry.client.set_registered_model_alias(registry.name, "production", v1)
+        deadline = time.monotonic() + 20
+        while stub.EncodeText(encoder_pb2.EncodeTextRequest(texts=["a cup"])).model_version != v1:
+            assert time.monotonic() < deadline, "production did not swap back to v1"
+            time.sleep(0.2)
