@@ -229,7 +229,7 @@ def _demo_serve(settings: Settings, version: str, dirs: list[Path]) -> None:
     from training.data.task import Task
 
     print(f"\n== promote v{version}: index its gallery ({settings.index_policy}), then move alias production "
-          "(forced: fine-tuning forgets, which is what the forgetting gate is for)")
+          "(--force for the demo: a gate that fails is shown, not enforced)")
     _print_promotion(promote(settings, version, force=True))
     print(f"\n== serve gRPC Encoder + Search on port {settings.grpc_port}")
     app.start(settings)

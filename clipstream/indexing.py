@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import numpy as np
+import ray.data
 import torch
 from PIL import Image
 
@@ -60,7 +61,7 @@ def embed_gallery(version: Version, task: Task, task_index: int, split: str = "t
     ds = read_split(task, split).map_batches(
         _Embedder, fn_constructor_kwargs={"folder": str(version.folder), "root": str(task.root),
                                           "images": stored_images is None},
-        batch_size=batch_size, batch_format="numpy", concurrency=1)
+        batch_size=batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=1))
     out = {str(r["id"]): r for r in ds.take_all()}
     ids = [str(r["id"]) for r in rows]
     image = (np.stack([out[i]["image_vec"] for i in ids]) if stored_images is None else
