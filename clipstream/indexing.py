@@ -93,9 +93,14 @@ def index_task(settings: Settings, version_ref: str, task_dir: str | Path, polic
                                    for name in _reindex_tasks(index, task.name, lineage)])
     finally:
         index.close()
+    return record_index_state(registry, version.version, state, policy)
+
+
+def record_index_state(registry: Registry, version: str, state: dict, policy: Policy) -> dict:
+    """Tag the version with what the index now holds, so the registry side can read it too."""
     for key, value in (("index_generation", state["generation"]), ("index_policy", policy),
                        ("indexed_tasks", ",".join(state["tasks"]))):
-        registry.client.set_model_version_tag(registry.name, version.version, key, str(value))
+        registry.client.set_model_version_tag(registry.name, version, key, str(value))
     return state
 
 

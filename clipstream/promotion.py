@@ -12,7 +12,6 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 from clipstream.settings import Settings
@@ -128,7 +127,7 @@ def rollback(settings: Settings, *, index: bool = True) -> dict:
 def _put_gallery(settings: Settings, registry: Registry, version: Version) -> dict:
     """no-reindex: append the lineage tasks the index lacks (others keep their vectors); reindex: make the
     index hold exactly the lineage under this version, in one atomic generation (also drops other tasks)."""
-    from clipstream.indexing import _vectors_for_reindex, index_task
+    from clipstream.indexing import _vectors_for_reindex, index_task, record_index_state
     from services.index import open_index
 
     with open_index(settings) as index:
@@ -144,10 +143,7 @@ def _put_gallery(settings: Settings, registry: Registry, version: Version) -> di
             # not index_task: its reindex keeps every indexed task and adds one, so it can neither fill in
             # several missing lineage tasks nor drop the newer tasks a rollback leaves behind
             state = index.reindex([_vectors_for_reindex(index, version, n, lineage, SPLIT) for n in lineage])
-            for key, value in (("index_generation", state["generation"]), ("index_policy", "reindex"),
-                               ("indexed_tasks", ",".join(state["tasks"]))):
-                registry.client.set_model_version_tag(registry.name, version.version, key, str(value))
-            return state
+            return record_index_state(registry, version.version, state, "reindex")
     for entry in missing:
         state = index_task(settings, version.version, entry["path"], "no-reindex", SPLIT)
     return state
@@ -161,14 +157,7 @@ def format_gates(gates: list[Gate]) -> str:
 
 
 def _record(registry: Registry, record: dict) -> str:
-    name = _experiment_name(registry)
-    found = registry.client.get_experiment_by_name(name)
-    if found:
-        experiment_id = found.experiment_id
-    else:
-        location = Path(registry.settings.mlflow_artifact_root) / name if registry.settings.embedded_registry else None
-        experiment_id = registry.client.create_experiment(
-            name, artifact_location=location.absolute().as_uri() if location else None)
+    experiment_id = registry.experiment_id(_experiment_name(registry))
     tags = {k: json.dumps([asdict(g) for g in v]) if k == "gates" else str(v) for k, v in record.items()}
     run = registry.client.create_run(experiment_id, tags=tags,
                                      run_name=f"{record['reason']} {_v(record['from_version'])} -> v{record['to_version']}")

@@ -75,12 +75,14 @@ class Registry:
         mlflow.set_tracking_uri(settings.mlflow_tracking_uri)
         self.client = MlflowClient(settings.mlflow_tracking_uri)
 
-    def experiment_id(self) -> str:
-        found = self.client.get_experiment_by_name(self.name)
+    def experiment_id(self, name: Optional[str] = None) -> str:
+        """The experiment `name` (default: the stream's), created on first use with artifacts beside the others."""
+        name = name or self.name
+        found = self.client.get_experiment_by_name(name)
         if found:
             return found.experiment_id
-        location = Path(self.settings.mlflow_artifact_root) / self.name if self.settings.embedded_registry else None
-        return self.client.create_experiment(self.name, artifact_location=location.absolute().as_uri() if location else None)
+        location = Path(self.settings.mlflow_artifact_root) / name if self.settings.embedded_registry else None
+        return self.client.create_experiment(name, artifact_location=location.absolute().as_uri() if location else None)
 
     @contextmanager
     def run(self, run_name: str, tags: dict[str, str]) -> Iterator[str]:
