@@ -90,15 +90,22 @@ def _bench_index_policy(args) -> None:
     print(index_policy(Settings(), args.tasks, args.seed, args.method, args.workers, args.set, Path(args.out)))
 
 
+def _bench_methods(args) -> None:
+    from clipstream.bench import methods
+
+    print(methods(Settings(), args.tasks, args.seed, args.methods.split(","), args.workers, args.set, Path(args.out)))
+
+
 def _serve(args) -> None:
     from services import app
     from training.job import init_ray
 
-    settings = Settings()
+    settings = Settings(**({"serve_replicas": args.replicas} if args.replicas else {}))
+    app.serving_environment()
     init_ray(settings)
-    app.start(settings, replicas=args.replicas)
-    print(f"serving clipstream.v1.Encoder and clipstream.v1.Search on 0.0.0.0:{settings.grpc_port} "
-          "(reflection and grpc.health.v1 on); Ctrl-C stops", flush=True)
+    app.start(settings)
+    print(f"serving {', '.join(app.SERVICES)} on 0.0.0.0:{settings.grpc_port} (reflection and grpc.health.v1 on"
+          f"{'; API key required' if settings.api_key else ''}); Ctrl-C stops", flush=True)
     try:
         while True:
             time.sleep(3600)
@@ -106,14 +113,30 @@ def _serve(args) -> None:
         pass
 
 
-def _address(args) -> str:
-    return args.address or f"127.0.0.1:{Settings().grpc_port}"
+def _client(args):
+    from services.client import Client
+
+    settings = Settings()
+    return Client(args.address or f"127.0.0.1:{settings.grpc_port}", api_key=settings.api_key)
+
+
+def _status(args) -> None:
+    with _client(args) as client:
+        status, versions = client.status(), client.versions()
+    print(f"stream {status['stream']}: production v{status['production_version'] or '-'}, queries encoded by "
+          f"v{status['query_version'] or '-'}, index generation {status['index_generation']}, "
+          f"loaded {', '.join('v' + v for v in status['loaded_versions']) or 'none'}")
+    print(format_table([("task", "#", "vectors from", "images", "texts", "indexed at")] + [
+        (t["task"], str(t["task_index"]), "v" + t["model_version"], str(t["images"]), str(t["texts"]), t["indexed_at"])
+        for t in status["tasks"]]))
+    print(format_table([("version", "task", "method", "parent", "aliases", "loaded", "created")] + [
+        ("v" + v["version"], v["task"], v["method"], v["parent_version"], ",".join(v["aliases"]),
+         "yes" if v["loaded"] else "", v["created_at"]) for v in versions]))
+    print("consistent" if status["consistent"] else "NOT consistent:\n  " + "\n  ".join(status["problems"]))
 
 
 def _encode(args) -> None:
-    from services.client import Client
-
-    with Client(_address(args)) as client:
+    with _client(args) as client:
         vectors, version = (client.encode_image(args.image, model_version=args.model_version) if args.image
                             else client.encode_text(args.text, model_version=args.model_version))
     for item, vector in zip(args.image or args.text, vectors):
@@ -122,12 +145,16 @@ def _encode(args) -> None:
 
 
 def _search(args) -> None:
-    from services.client import Client
-
-    with Client(_address(args)) as client:
+    with _client(args) as client:
         hits = client.search(text=args.query if not args.image else None, image=args.image, task=args.task or "",
                              k=args.k, model_version=args.model_version)
     print(format_hits(hits, args.query if not args.image else args.image, args.task))
+
+
+def format_table(rows: list[tuple[str, ...]]) -> str:
+    """Columns padded to their widest cell (the last one left ragged); the first row is the header."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join([c.ljust(w) for c, w in zip(r, widths)] + [r[-1]]).rstrip() for r in rows)
 
 
 def format_hits(hits: list[dict], query, task) -> str:
@@ -159,13 +186,13 @@ def _runs(args) -> None:
 
 
 def _promote(args) -> None:
-    from clipstream.promotion import PromotionError, format_gates, promote
+    from clipstream.promotion import PromotionError, gate_rows, promote
 
     try:
         result = promote(Settings(), args.version, force=args.force, index=not args.no_index)
     except PromotionError as exc:
         if exc.gates:
-            print(format_gates(exc.gates))
+            print(format_table(gate_rows(exc.gates)))
         raise
     _print_promotion(result)
 
@@ -177,9 +204,9 @@ def _rollback(args) -> None:
 
 
 def _print_promotion(result: dict) -> None:
-    from clipstream.promotion import format_gates
+    from clipstream.promotion import gate_rows
 
-    print(format_gates(result["gates"]))
+    print(format_table(gate_rows(result["gates"])))
     before = f"v{result['from_version']}" if result["from_version"] else "none"
     forced = " (forced past failed gates)" if result["forced"] else ""
     print(f"production: {before} -> v{result['to_version']} [{result['reason']}]{forced}")
@@ -204,6 +231,10 @@ def _demo(args) -> None:
     from training.job import run_task
 
     settings = Settings()
+    if not args.no_serve:
+        from services.app import serving_environment
+
+        serving_environment()  # before the training jobs start Ray: Serve reads it when its processes start
     out = Path(args.out or settings.data_dir / f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"== synthesising {args.tasks} domain tasks + the digits task under {out}")
     dirs = synthesize(out, tasks=args.tasks, seed=args.seed)
@@ -265,8 +296,9 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("--on-bad-image", choices=("fail", "skip"), default="fail")
     check.set_defaults(func=_check)
 
-    def training_args(q):
-        q.add_argument("--method", default="finetune", help="a preset of training/methods/presets.yaml")
+    def training_args(q, method: bool = True):
+        if method:
+            q.add_argument("--method", default="finetune", help="a preset of training/methods/presets.yaml")
         q.add_argument("--workers", type=int, default=2, help="Ray Train workers")
         q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a preset value, e.g. train.epochs=2")
 
@@ -303,7 +335,7 @@ def parser() -> argparse.ArgumentParser:
     rb.set_defaults(func=_rollback)
 
     sv = sub.add_parser("serve", help="serve gRPC Encoder and Search on Ray Serve (port from Settings)")
-    sv.add_argument("--replicas", type=int, default=1, help="Encoder replicas")
+    sv.add_argument("--replicas", type=int, help="Encoder replicas (default: Settings serve_replicas)")
     sv.set_defaults(func=_serve)
     en = sub.add_parser("encode", help="embed texts or images through the running service")
     en.add_argument("text", nargs="*")
@@ -319,6 +351,9 @@ def parser() -> argparse.ArgumentParser:
     se.add_argument("--model-version", default="")
     se.add_argument("--address")
     se.set_defaults(func=_search)
+    st = sub.add_parser("status", help="what the running service holds (Admin.GetStatus and ListVersions)")
+    st.add_argument("--address")
+    st.set_defaults(func=_status)
 
     bench = sub.add_parser("bench", help="reproducible experiments").add_subparsers(dest="bench_command", required=True)
     policy = bench.add_parser("index-policy", help="no-reindex vs reindex on a synthetic stream")
@@ -327,6 +362,15 @@ def parser() -> argparse.ArgumentParser:
     policy.add_argument("--out", default="benchmarks/results/index-policy.md")
     training_args(policy)
     policy.set_defaults(func=_bench_index_policy)
+    compare = bench.add_parser("methods", help="every method on the same synthetic stream: AA, forgetting, BWT, cost")
+    compare.add_argument("--tasks", type=int, default=3, help="domain tasks (the digits task is added last)")
+    compare.add_argument("--seed", type=int, default=0)
+    compare.add_argument("--methods", default="finetune,joint,ewc,mas,lwf,er,modx,ctp,ctp_er",
+                         help="comma-separated presets of training/methods/presets.yaml, one stream each")
+    compare.add_argument("--out", default="benchmarks/results/methods.md",
+                         help="the markdown; the plot goes next to it (.png)")
+    training_args(compare, method=False)
+    compare.set_defaults(func=_bench_methods)
 
     demo = sub.add_parser("demo", help="synthesise a stream, train it task by task, show the R matrix")
     demo.add_argument("--out")

@@ -130,30 +130,28 @@ def _put_gallery(settings: Settings, registry: Registry, version: Version) -> di
     from clipstream.indexing import _vectors_for_reindex, index_task, record_index_state
     from services.index import open_index
 
+    if settings.index_policy == "no-reindex":
+        with open_index(settings) as index:
+            indexed = index.state()["tasks"]
+        for entry in [e for e in version.lineage if e["task"] not in indexed]:
+            index_task(settings, version.version, entry["path"], "no-reindex", SPLIT)  # opens the index itself
     with open_index(settings) as index:
         state = index.state()
-        if settings.index_policy == "no-reindex":
-            missing = [e for e in version.lineage if e["task"] not in state["tasks"]]
-        else:
-            lineage = {e["task"]: (i, e) for i, e in enumerate(version.lineage)}
-            if set(state["tasks"]) == set(lineage) and all(
-                    t["model_version"] == version.version for t in state["tasks"].values()):
-                return state
+        lineage = {e["task"]: (i, e) for i, e in enumerate(version.lineage)}
+        if settings.index_policy == "reindex" and (set(state["tasks"]) != set(lineage) or any(
+                t["model_version"] != version.version for t in state["tasks"].values())):
             index.progress = True
             # not index_task: its reindex keeps every indexed task and adds one, so it can neither fill in
             # several missing lineage tasks nor drop the newer tasks a rollback leaves behind
             state = index.reindex([_vectors_for_reindex(index, version, n, lineage, SPLIT) for n in lineage])
-            return record_index_state(registry, version.version, state, "reindex")
-    for entry in missing:
-        state = index_task(settings, version.version, entry["path"], "no-reindex", SPLIT)
-    return state
+            record_index_state(registry, version.version, state, "reindex")
+        # Search switches its query encoder here, with the gallery in place (a reindex already pinned it)
+        return index.pin(version.version) if state["tasks"] else state
 
 
-def format_gates(gates: list[Gate]) -> str:
-    rows = [("gate", "value", "threshold", "result", "detail")] + [
+def gate_rows(gates: list[Gate]) -> list[tuple[str, ...]]:
+    return [("gate", "value", "threshold", "result", "detail")] + [
         (g.name, _fmt(g.value), _fmt(g.threshold), "PASS" if g.passed else "FAIL", g.detail) for g in gates]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4] for r in rows)
 
 
 def _record(registry: Registry, record: dict) -> str:

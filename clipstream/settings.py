@@ -42,6 +42,16 @@ class Settings(BaseSettings):
     promote_max_forgetting: float = Field(25.0, description="a candidate's task-known mean forgetting (R points) may not exceed this")
     promote_max_aa_drop: float = Field(0.0, description="a candidate's task-known AA may be at most this far below production's")
     index_policy: Literal["no-reindex", "reindex"] = Field("no-reindex", description="how promotion puts the gallery in place")
+    serve_replicas: int = Field(1, ge=1, description="Encoder replicas")
+    serve_encoder_cpus: float = Field(0.5, ge=0, description="CPUs each Encoder replica reserves (0 shares the cores)")
+    serve_search_cpus: float = Field(0.25, ge=0, description="CPUs the Search ingress reserves")
+    serve_batch_size: int = Field(32, ge=1, description="most requests one @serve.batch call gathers")
+    serve_model_cache: int = Field(3, ge=1, description="model versions each Encoder replica keeps loaded")
+    serve_max_items: int = Field(256, ge=1, description="texts or images in one request")
+    serve_max_text_chars: int = Field(2000, ge=1)
+    serve_max_image_bytes: int = Field(8 * 1024 * 1024, ge=1)
+    api_key: Optional[str] = Field(None, description="when set, every clipstream RPC must carry metadata "
+                                                     "x-api-key (health and reflection stay open for probes)")
 
     @classmethod
     def settings_customise_sources(

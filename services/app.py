@@ -3,6 +3,7 @@ server reflection, the standard grpc.health.v1 service) so generic gRPC tools ca
 
 from __future__ import annotations
 
+import os
 import time
 
 import grpc
@@ -11,13 +12,29 @@ from ray import serve
 from ray.serve.config import gRPCOptions
 from ray.serve.generated import serve_pb2, serve_pb2_grpc
 
-from services.encoder import Encoder, Limits
+from services.encoder import Encoder
 from services.search import Search
 
 APP = "clipstream"
-SERVICES = ("clipstream.v1.Encoder", "clipstream.v1.Search")
+SERVICES = ("clipstream.v1.Encoder", "clipstream.v1.Search", "clipstream.v1.Admin")
 GRPC_SERVICERS = ["clipstream.v1.encoder_pb2_grpc.add_EncoderServicer_to_server",
-                  "clipstream.v1.search_pb2_grpc.add_SearchServicer_to_server", "services.app.add_health_service"]
+                  "clipstream.v1.search_pb2_grpc.add_SearchServicer_to_server",
+                  "clipstream.v1.admin_pb2_grpc.add_AdminServicer_to_server", "services.app.add_health_service"]
+
+
+# Ray Serve's throughput settings (its RAY_SERVE_THROUGHPUT_OPTIMIZED mode, minus direct ingress, which
+# would bypass the proxy that hosts reflection and health): user code on the replica's own event loop,
+# routers in the caller's loop, gRPC between deployments, buffered access logs. They are read when Ray's
+# processes start, so they go in the environment before `ray.init` (and in the RayService pod env).
+SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+             "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+             "RAY_SERVE_LOG_TO_STDERR": "0"}
+
+
+def serving_environment() -> None:
+    """Put SERVE_ENV in this process's environment (values already set win), before Ray starts."""
+    for key, value in SERVE_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 def add_health_service(_placeholder, server) -> None:
@@ -29,20 +46,19 @@ def add_health_service(_placeholder, server) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
 
 
-def build(settings, limits: Limits = Limits(), replicas: int = 1, batch_size: int = 32,
-          cpus: tuple[float, float] = (0.5, 0.25)) -> serve.Application:
-    """`cpus`: what an Encoder replica and the Search ingress reserve (0 shares the cores with training)."""
-    encoder = Encoder.options(num_replicas=replicas, ray_actor_options={"num_cpus": cpus[0]}).bind(
-        settings.mlflow_tracking_uri, settings.stream, str(settings.home / "cache"), limits, batch_size)
-    return Search.options(ray_actor_options={"num_cpus": cpus[1]}).bind(encoder, settings)
+def build(settings) -> serve.Application:
+    """Replicas, reserved CPUs, batch size, model cache and request limits all come from settings.serve_*."""
+    search = Search.options(ray_actor_options={"num_cpus": settings.serve_search_cpus}).bind(settings)
+    return Encoder.options(num_replicas=settings.serve_replicas,
+                           ray_actor_options={"num_cpus": settings.serve_encoder_cpus}).bind(search, settings)
 
 
-def start(settings, timeout_s: float = 60.0, **build_args) -> None:
+def start(settings, timeout_s: float = 60.0) -> None:
     """Start Serve's gRPC proxy on settings.grpc_port and deploy the application; returns once the
     proxy routes to it (the proxy learns new applications asynchronously after `serve.run`)."""
     serve.start(grpc_options=gRPCOptions(port=settings.grpc_port, grpc_servicer_functions=GRPC_SERVICERS,
                                          enable_reflection=True))
-    serve.run(build(settings, **build_args), name=APP, route_prefix=f"/{APP}")
+    serve.run(build(settings), name=APP, route_prefix=f"/{APP}")
     with grpc.insecure_channel(f"127.0.0.1:{settings.grpc_port}") as channel:
         ask = serve_pb2_grpc.RayServeAPIServiceStub(channel).ListApplications
         deadline = time.monotonic() + timeout_s

@@ -11,15 +11,22 @@ import grpc
 import numpy as np
 from tqdm import tqdm
 
-from clipstream.v1 import encoder_pb2, encoder_pb2_grpc, search_pb2, search_pb2_grpc
+from google.protobuf.json_format import MessageToDict
+
+from clipstream.v1 import admin_pb2, admin_pb2_grpc, encoder_pb2, encoder_pb2_grpc, search_pb2, search_pb2_grpc
+
+API_KEY_HEADER = "x-api-key"  # the metadata key the server checks when Settings.api_key is set
 
 
 class Client:
-    def __init__(self, address: str = "127.0.0.1:9000", *, timeout_s: float = 30.0, retries: int = 5):
+    def __init__(self, address: str = "127.0.0.1:9000", *, api_key: Optional[str] = None, timeout_s: float = 30.0,
+                 retries: int = 5):
         self.channel = grpc.insecure_channel(address)
         self.encoder = encoder_pb2_grpc.EncoderStub(self.channel)
         self.searcher = search_pb2_grpc.SearchStub(self.channel)
+        self.admin = admin_pb2_grpc.AdminStub(self.channel)
         self.timeout_s, self.retries = timeout_s, retries
+        self.metadata = ((API_KEY_HEADER, api_key),) if api_key else None
 
     def encode_text(self, texts: Sequence[str], batch_size: int = 64, model_version: str = "",
                     progress: Optional[bool] = None) -> tuple[np.ndarray, str]:
@@ -48,6 +55,19 @@ class Client:
                  "caption": h.caption or None, "query_model_version": response.query_model_version}
                 for h in response.hits]
 
+    def status(self) -> dict:
+        """What the server holds: production and query versions, indexed tasks, loaded versions, problems."""
+        status = MessageToDict(self._call(self.admin.GetStatus, admin_pb2.GetStatusRequest()),
+                               preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        for task in status["tasks"]:  # the JSON mapping writes uint64 as strings
+            task["images"], task["texts"] = int(task["images"]), int(task["texts"])
+        return status
+
+    def versions(self) -> list[dict]:
+        response = self._call(self.admin.ListVersions, admin_pb2.ListVersionsRequest())
+        return MessageToDict(response, preserving_proto_field_name=True,
+                             always_print_fields_with_no_presence=True)["versions"]
+
     def close(self) -> None:
         self.channel.close()
 
@@ -75,7 +95,7 @@ class Client:
     def _call(self, method, request):
         for attempt in range(self.retries + 1):
             try:
-                return method(request, timeout=self.timeout_s)
+                return method(request, timeout=self.timeout_s, metadata=self.metadata)
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
                     raise

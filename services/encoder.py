@@ -1,16 +1,20 @@
-"""Ray Serve gRPC Encoder: EncodeText / EncodeImage for any registered version, the production one by default.
+"""Ray Serve gRPC Encoder, the application's ingress: EncodeText / EncodeImage for any registered
+version (the production one by default), answered here; Search and Admin RPCs handed to the Search
+deployment; the optional API key checked for all of them.
 
-Requests are batched across callers (`@serve.batch`); a batch may hold several versions, so it is split
-by (version, modality) and each group runs through its model once. Loaded versions live in a per-replica
-cache (`@serve.multiplexed`); `production` is re-resolved every few seconds, so moving the alias swaps
-the model without a restart, and every response names the version that made its vectors.
+The encoder is the ingress because encoding is the high-volume call: a hop through another deployment
+cost ~20% of encoding throughput on a 2-core machine (benchmarks/grpc_encode.py). Requests are batched
+across callers (`@serve.batch`); a batch may hold several versions, so it is split by (version, modality)
+and each group runs through its model once. Loaded versions live in a per-replica cache
+(`@serve.multiplexed`); `production` is re-resolved every few seconds, so moving the alias swaps the
+model without a restart, and every response names the version that made its vectors.
 """
 
 from __future__ import annotations
 
+import hmac
 import io
 from collections import defaultdict
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -18,17 +22,9 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from ray import serve
 
-from clipstream.v1 import encoder_pb2
+from clipstream.v1 import admin_pb2, encoder_pb2, search_pb2
+from services.client import API_KEY_HEADER
 from services.versions import UnknownVersion, VersionStore
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Request limits; each refusal says which limit and how to stay under it."""
-
-    max_items: int = 256
-    max_text_chars: int = 2000
-    max_image_bytes: int = 8 * 1024 * 1024
 
 
 class RequestError(Exception):
@@ -44,23 +40,43 @@ class RequestError(Exception):
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=128)
 class Encoder:
-    def __init__(self, tracking_uri: str, stream: str, cache_dir: str, limits: Limits = Limits(),
-                 batch_size: int = 32, batch_wait_s: float = 0.005, alias_ttl_s: float = 2.0):
-        self.store = VersionStore(tracking_uri, stream, cache_dir, alias_ttl_s)
-        self.limits = limits
+    """Limits (settings.serve_max_*) refuse a request with a message naming the limit and how to stay under it."""
+
+    def __init__(self, search, settings, batch_wait_s: float = 0.005, alias_ttl_s: float = 2.0):
+        self.search = search
+        self.store = VersionStore(settings.mlflow_tracking_uri, settings.stream, settings.home / "cache", alias_ttl_s)
+        torch.set_num_threads(max(1, int(settings.serve_encoder_cpus)))  # Ray pins 1 thread to a fractional reservation
+        self.settings = settings
         self.batches_seen: list[int] = []  # sizes of recent batches: shows batching at work (tests, debugging)
-        self._encode.set_max_batch_size(batch_size)
+        self._encode.set_max_batch_size(settings.serve_batch_size)
         self._encode.set_batch_wait_timeout_s(batch_wait_s)
 
-    @serve.multiplexed(max_num_models_per_replica=3)
-    async def model(self, version: str):
-        return self.store.load(version)
+        async def load(version: str):
+            return self.store.load(version)
 
-    async def EncodeText(self, request: encoder_pb2.EncodeTextRequest) -> encoder_pb2.EncodeResponse:
-        return await self._serve("text", list(request.texts), request.model_version)
+        # made here, not as a decorated method, so the cache bound comes from Settings (Serve detects it either way)
+        self.model = serve.multiplexed(max_num_models_per_replica=settings.serve_model_cache)(load)
+        self._loader = load
 
-    async def EncodeImage(self, request: encoder_pb2.EncodeImageRequest) -> encoder_pb2.EncodeResponse:
-        return await self._serve("image", list(request.images), request.model_version)
+    # ---- gRPC methods ----------------------------------------------------------------------------------
+    async def EncodeText(self, request: encoder_pb2.EncodeTextRequest, grpc_context=None) -> encoder_pb2.EncodeResponse:
+        return await self._answer(lambda: self._serve("text", list(request.texts), request.model_version),
+                                  encoder_pb2.EncodeResponse, grpc_context)
+
+    async def EncodeImage(self, request: encoder_pb2.EncodeImageRequest, grpc_context=None) -> encoder_pb2.EncodeResponse:
+        return await self._answer(lambda: self._serve("image", list(request.images), request.model_version),
+                                  encoder_pb2.EncodeResponse, grpc_context)
+
+    async def Search(self, request: search_pb2.SearchRequest, grpc_context=None) -> search_pb2.SearchResponse:
+        return await self._answer(lambda: self.search.search.remote(request), search_pb2.SearchResponse, grpc_context)
+
+    async def GetStatus(self, request: admin_pb2.GetStatusRequest, grpc_context=None) -> admin_pb2.Status:
+        return await self._answer(lambda: self.search.status.remote(), admin_pb2.Status, grpc_context)
+
+    async def ListVersions(self, request: admin_pb2.ListVersionsRequest, grpc_context=None) -> admin_pb2.ListVersionsResponse:
+        return await self._answer(lambda: self.search.versions.remote(), admin_pb2.ListVersionsResponse, grpc_context)
+
+    # ---- Python methods (through deployment handles) ---------------------------------------------------
 
     async def encode(self, modality: str, items: list, model_version: str = "") -> tuple[str, np.ndarray]:
         """The Python entry point (used by Search through a deployment handle): (version, unit vectors)."""
@@ -70,6 +86,36 @@ class Encoder:
 
     async def BatchSizes(self, request=None) -> list[int]:
         return list(self.batches_seen)
+
+    async def loaded(self) -> list[str]:
+        """Versions in this replica's model cache, least recently used first."""
+        wrapper = getattr(self._loader, "__serve_multiplex_wrapper", None)
+        return list(wrapper.models) if wrapper else []
+
+    def _authorize(self, grpc_context) -> None:
+        key = self.settings.api_key
+        if not key:
+            return
+        sent = dict(grpc_context.invocation_metadata()).get(API_KEY_HEADER, "") if grpc_context else ""
+        if not hmac.compare_digest(sent.encode(), key.encode()):
+            raise RequestError(grpc.StatusCode.UNAUTHENTICATED,
+                               f"missing or wrong API key: send it as gRPC metadata {API_KEY_HEADER!r}")
+
+    async def _answer(self, work, empty, grpc_context):
+        """Authorize, then await `work()`; a RequestError (ours, or Search's re-raised by Ray) becomes the
+        gRPC status, and the server keeps serving."""
+        try:
+            self._authorize(grpc_context)
+            return await work()
+        except Exception as exc:
+            # from another deployment, Ray raises a RayTaskError (that may also subclass RequestError) whose
+            # `cause` is the original; its own str() holds the remote traceback
+            cause = getattr(exc, "cause", None) if isinstance(getattr(exc, "cause", None), RequestError) else exc
+            if not isinstance(cause, RequestError) or grpc_context is None:
+                raise
+            grpc_context.set_code(cause.code)
+            grpc_context.set_details(str(cause))
+            return empty()
 
     async def _serve(self, modality, items, model_version):
         version, vectors = await self.encode(modality, items, model_version)
@@ -85,23 +131,24 @@ class Encoder:
     def _validate(self, modality: str, items: list) -> list:
         if not items:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"empty batch: send at least one {modality}")
-        if len(items) > self.limits.max_items:
+        limits = self.settings
+        if len(items) > limits.serve_max_items:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"{len(items)} {modality}s in one request; the limit is {self.limits.max_items}: "
+                               f"{len(items)} {modality}s in one request; the limit is {limits.serve_max_items}: "
                                "split the request (the Python client does this for you)")
         if modality == "text":
             for i, text in enumerate(items):
                 if not text.strip():
                     raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"text {i} is empty")
-                if len(text) > self.limits.max_text_chars:
+                if len(text) > limits.serve_max_text_chars:
                     raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                       f"text {i} has {len(text)} characters; the limit is {self.limits.max_text_chars}")
+                                       f"text {i} has {len(text)} characters; the limit is {limits.serve_max_text_chars}")
             return items
         images = []
         for i, data in enumerate(items):
-            if len(data) > self.limits.max_image_bytes:
+            if len(data) > limits.serve_max_image_bytes:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"image {i} is {len(data)} bytes; the limit is {self.limits.max_image_bytes} bytes")
+                                   f"image {i} is {len(data)} bytes; the limit is {limits.serve_max_image_bytes} bytes")
             try:
                 with Image.open(io.BytesIO(data)) as img:
                     images.append(img.convert("RGB"))

@@ -150,6 +150,7 @@ class VectorIndex:
             self._check_ids_disjoint([vectors], state)
             self._sweep(state)  # leftovers of a failed earlier write are never served; clear them
             new = self._build(state, max(state["generation"], 1), [(vectors, arrays)])
+            new["query_version"] = state.get("query_version") or vectors.model_version
             return self._commit(state, new)
 
     def reindex(self, tasks: list[TaskVectors]) -> dict:
@@ -170,7 +171,22 @@ class VectorIndex:
             state = self._read()
             self._sweep(state)
             new = self._build(state, state["generation"] + 1, items, fresh=True)
+            new["query_version"] = versions[0]  # the old queries no longer match: switch with the gallery
             return self._commit(state, new)
+
+    def pin(self, version: str) -> dict:
+        """Name the model version whose query encoder this gallery serves (Search encodes queries with it).
+
+        A reindex pins its own version in the same atomic switch; the first append pins its version;
+        promotion pins the promoted version once its gallery is in place, so queries never change
+        encoder before the vectors they are ranked against."""
+        with self._writing():
+            state = self._read()
+            if not state["tasks"]:
+                raise VectorIndexError(f"index {self.name}/{self.lineage} is empty: nothing to pin {version!r} to")
+            if state.get("query_version") != str(version):
+                self._publish({**copy.deepcopy(state), "query_version": str(version)})
+            return self.state()
 
     def search(self, vector: np.ndarray, target_modality: str, task: str | None = None, k: int = 10,
                normalize_per_task: bool = False) -> list[Hit]:
@@ -233,7 +249,8 @@ class VectorIndex:
 
     # ---- shared mechanism -------------------------------------------------------------------------------
     def _empty(self) -> dict:
-        return {"name": self.name, "lineage": self.lineage, "dim": None, "generation": 0, "tasks": {}, "segments": {}}
+        return {"name": self.name, "lineage": self.lineage, "dim": None, "generation": 0, "tasks": {}, "segments": {},
+                "query_version": None}
 
     def _check_ids_disjoint(self, tasks: list[TaskVectors], state: dict | None = None) -> None:
         """Point ids carry no task, so two tasks under one version must not share an item id."""

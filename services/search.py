@@ -1,35 +1,43 @@
-"""Ray Serve gRPC Search, the application's ingress: encode the query with the Encoder deployment
-(through its handle), rank the indexed gallery of the other modality, and name, for every hit, the
-version that made its vector. One gRPC application means one ingress, so it also answers the Encoder
-RPCs by handing them to the Encoder deployment, where batching happens."""
+"""Ray Serve Search deployment: encode the query with the Encoder deployment (through its handle), rank
+the indexed gallery of the other modality, and name, for every hit, the version that made its vector.
+It also answers Admin (what is served: versions, gallery, consistency). The Encoder ingress hands it
+these RPCs.
+
+Queries are encoded by the gallery's pinned query version (VectorIndex.pin), not by reading the
+production alias, so a query never changes encoder before the vectors it is ranked against.
+"""
 
 from __future__ import annotations
+
+from datetime import datetime, timezone
 
 import grpc
 import numpy as np
 from ray import serve
 
-from clipstream.v1 import encoder_pb2, search_pb2
+from clipstream.v1 import admin_pb2, search_pb2
 from services.encoder import RequestError
 from services.index import MAX_K, MODALITIES, VectorIndexError, open_index
+from services.versions import UnknownVersion, VersionStore
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64)
 class Search:
-    def __init__(self, encoder, settings):
-        self.encoder, self.settings = encoder, settings
+    def __init__(self, settings):
+        self.settings = settings
         self.index = open_index(settings)  # Edge: reads the published manifest, reloads when it changes
+        self.registry = VersionStore(settings.mlflow_tracking_uri, settings.stream, settings.home / "cache")
+        self._encoder = None
 
-    async def Search(self, request: search_pb2.SearchRequest, grpc_context=None) -> search_pb2.SearchResponse:
-        return await _answer(self._search(request), search_pb2.SearchResponse, grpc_context)
+    @property
+    def encoder(self):
+        """The Encoder's handle, looked up at first use: the Encoder (the ingress) is bound to this
+        deployment, so this one cannot be bound to it in turn."""
+        if self._encoder is None:
+            self._encoder = serve.get_deployment_handle("Encoder", serve.get_replica_context().app_name)
+        return self._encoder
 
-    async def EncodeText(self, request: encoder_pb2.EncodeTextRequest, grpc_context=None) -> encoder_pb2.EncodeResponse:
-        return await _answer(self.encoder.EncodeText.remote(request), encoder_pb2.EncodeResponse, grpc_context)
-
-    async def EncodeImage(self, request: encoder_pb2.EncodeImageRequest, grpc_context=None) -> encoder_pb2.EncodeResponse:
-        return await _answer(self.encoder.EncodeImage.remote(request), encoder_pb2.EncodeResponse, grpc_context)
-
-    async def _search(self, request: search_pb2.SearchRequest) -> search_pb2.SearchResponse:
+    async def search(self, request: search_pb2.SearchRequest) -> search_pb2.SearchResponse:
         kind = request.WhichOneof("query")
         if kind is None:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no query: set text, image or vector")
@@ -46,31 +54,58 @@ class Search:
         if request.task and request.task not in state["tasks"]:
             raise RequestError(grpc.StatusCode.NOT_FOUND,
                                f"unknown task {request.task!r}; indexed tasks: {', '.join(sorted(state['tasks']))}")
-        version = ""
-        if kind == "vector":
-            vector = np.asarray(request.vector.values, dtype=np.float32)
-        else:
-            item = request.text if kind == "text" else request.image
-            version, vectors = await self.encoder.encode.remote(kind, [item], request.model_version)
-            vector = vectors[0]
-        try:
-            hits = self.index.search(vector, target, request.task or None, k)
-        except VectorIndexError as exc:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        for _ in range(3):  # optimistic: redo the query if the gallery or its pin moved while it ran
+            version, pinned = "", (state["generation"], state.get("query_version"))
+            if kind == "vector":
+                vector = np.asarray(request.vector.values, dtype=np.float32)
+            else:
+                item = request.text if kind == "text" else request.image
+                version, vectors = await self.encoder.encode.remote(kind, [item], request.model_version or pinned[1] or "")
+                vector = vectors[0]
+            try:
+                hits = self.index.search(vector, target, request.task or None, k)
+            except VectorIndexError as exc:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+            state = self.index.state()
+            if (state["generation"], state.get("query_version")) == pinned or request.model_version:
+                break
         return search_pb2.SearchResponse(query_model_version=version, hits=[
             search_pb2.Hit(item_id=h.item_id, task=h.task, score=h.score, modality=h.modality,
                            model_version=h.model_version, index_generation=h.index_generation, caption=h.caption or "")
             for h in hits])
 
+    async def status(self) -> admin_pb2.Status:
+        state, problems = self.index.state(), []
+        try:
+            production = self.registry.resolve("")
+        except UnknownVersion:
+            production = ""
+            problems.append("no version carries the alias 'production': run `clipstream promote VERSION`")
+        if not state["tasks"]:
+            problems.append("the index is empty: run `clipstream index` or `clipstream promote`")
+        query = state.get("query_version") or ""
+        if production and query and production != query:
+            problems.append(f"production is v{production} but the gallery serves queries for v{query}: "
+                            f"promote with `clipstream promote {production}` to put its gallery in place")
+        if production:
+            lineage = self.registry.client.get_model_version(self.registry.name, production).tags.get("lineage_tasks")
+            missing = [t for t in (lineage.split(",") if lineage else []) if t not in state["tasks"]]
+            if missing:
+                problems.append(f"production v{production} was trained on task(s) {missing} that are not indexed")
+        return admin_pb2.Status(
+            stream=self.settings.stream, production_version=production, query_version=query,
+            index_generation=state["generation"], loaded_versions=await self.encoder.loaded.remote(),
+            consistent=not problems, problems=problems, tasks=[
+                admin_pb2.IndexedTask(task=name, task_index=t["task_index"], model_version=t["model_version"],
+                                      images=t["counts"]["image"], texts=t["counts"]["text"], indexed_at=t["indexed_at"])
+                for name, t in sorted(state["tasks"].items(), key=lambda kv: kv[1]["task_index"])])
 
-async def _answer(work, empty, grpc_context):
-    """Await `work`; a RequestError (ours, or the Encoder's re-raised by Ray) becomes the gRPC status."""
-    try:
-        return await work
-    except Exception as exc:
-        cause = exc if isinstance(exc, RequestError) else getattr(exc, "cause", None)  # Ray keeps it as `cause`
-        if not isinstance(cause, RequestError) or grpc_context is None:
-            raise
-        grpc_context.set_code(cause.code)
-        grpc_context.set_details(str(cause))
-        return empty()
+    async def versions(self) -> admin_pb2.ListVersionsResponse:
+        loaded = set(await self.encoder.loaded.remote())
+        return admin_pb2.ListVersionsResponse(versions=[
+            admin_pb2.ModelVersion(
+                version=str(mv.version), task=mv.tags.get("task", ""), task_index=int(mv.tags.get("task_index") or 0),
+                method=mv.tags.get("method", ""), parent_version=mv.tags.get("parent_version", ""),
+                aliases=aliases, loaded=str(mv.version) in loaded,
+                created_at=datetime.fromtimestamp(mv.creation_timestamp / 1000, timezone.utc).isoformat(timespec="seconds"))
+            for mv, aliases in self.registry.versions()])

@@ -26,13 +26,17 @@ class VersionStore:
         self.client, self.name = MlflowClient(tracking_uri), name
         self.tracking_uri, self.cache_dir, self.ttl_s = tracking_uri, Path(cache_dir), ttl_s
         self._aliases: dict[str, tuple[float, str]] = {}
+        self._numbers: set[str] = set()  # versions seen to exist: a number never changes meaning, so ask once
 
     def resolve(self, ref: str = "") -> str:
         """'' = production; digits = that version (checked); anything else = an alias."""
         ref = (ref or PRODUCTION).strip()
         try:
             if ref.isdigit():
-                return str(self.client.get_model_version(self.name, ref).version)
+                ref = str(int(ref))
+                if ref not in self._numbers:
+                    self._numbers.add(str(self.client.get_model_version(self.name, ref).version))
+                return ref
             seen = self._aliases.get(ref)
             if seen and time.monotonic() - seen[0] < self.ttl_s:
                 return seen[1]
@@ -41,6 +45,16 @@ class VersionStore:
             raise UnknownVersion(f"model version {ref!r} not found in registered model {self.name!r}") from exc
         self._aliases[ref] = (time.monotonic(), version)
         return version
+
+    def versions(self) -> list[tuple[object, list[str]]]:
+        """Every registered version, newest first: (MLflow ModelVersion, its aliases)."""
+        try:  # search results leave `aliases` empty: the registered model holds them
+            aliases = self.client.get_registered_model(self.name).aliases
+        except MlflowException:
+            return []
+        found = self.client.search_model_versions(f"name = '{self.name}'")
+        return [(mv, sorted(a for a, n in aliases.items() if str(n) == str(mv.version)))
+                for mv in sorted(found, key=lambda mv: int(mv.version), reverse=True)]
 
     def load(self, version: str) -> models.ClipBundle:
         mv = self.client.get_model_version(self.name, version)

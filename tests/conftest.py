@@ -12,8 +12,10 @@ def ray_cluster():
     import ray
 
     from clipstream.settings import Settings
+    from services.app import serving_environment
     from training.job import init_ray
 
+    serving_environment()  # the tests serve with the settings `clipstream serve` uses
     init_ray(Settings(ray_address=None), num_cpus=2)
     yield ray
     ray.shutdown()
@@ -39,3 +41,34 @@ def stream(tmp_path_factory):
 
     return synthesize(tmp_path_factory.mktemp("stream") / "data", tasks=2, seed=3, train_pairs=256,
                       test_per_task=24, digits=False, progress=False)
+
+
+def register_version(settings, seed: int, alias: str | None = None, task_dirs=(), aa: float = 50.0,
+                     forgetting: float = 0.0, parent: str = "") -> str:
+    """Register a version made without training: a real tiny open_clip model (weights from `seed`) whose
+    lineage is `task_dirs`, with the given run metrics, really registered in MLflow."""
+    import json
+
+    import mlflow
+    import torch
+
+    from training import models
+    from training.data.task import Task
+    from training.registry import MANIFEST, Registry
+
+    torch.manual_seed(seed)
+    tasks = [Task.load(d) for d in task_dirs]
+    lineage = [{"task": t.name, "path": str(t.root), "data_sha": "sha-" + t.name} for t in tasks]
+    folder = settings.home / f"export-{seed}" / "checkpoint"
+    models.export(models.create("clipstream-vit-tiny"), folder)
+    torch.save({}, folder / "method_state.pt")
+    (folder / MANIFEST).write_text(json.dumps({"lineage": lineage, "matrix": {}}))
+    tags = {"task": tasks[-1].name if tasks else f"t{seed}", "task_index": str(max(len(tasks) - 1, 0)),
+            "method": "finetune", "parent_version": parent, "data_sha": lineage[-1]["data_sha"] if tasks else "x"}
+    registry = Registry(settings)
+    with registry.run(f"seed-{seed}", tags):
+        mlflow.log_metrics({"known/AA": aa, "known/forgetting": forgetting})
+        version = registry.register(folder, tags)
+    if alias:
+        registry.client.set_registered_model_alias(registry.name, alias, version)
+    return version

@@ -1,14 +1,17 @@
 """One task's train loop on a DeepSpeed engine, run by every Ray Train worker.
 
 The step is plain: forward both towers, CLIP loss over the gathered batch plus the method's terms,
-`engine.backward`, `engine.step`. Checkpoints are DeepSpeed's own (every rank writes its shard) and
+`engine.backward`, `engine.step`. A method that distils from the previous version gets it as a frozen
+`ctx.teacher`, loaded from the registered parent (so a resumed worker gets the same one). Checkpoints are DeepSpeed's own (every rank writes its shard) and
 are reported to Ray Train each epoch, so a restarted worker group resumes from the last epoch.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -20,7 +23,7 @@ import torch
 
 from training import methods, models
 from training.losses import clip_loss
-from training.methods.base import Features, TaskContext
+from training.methods.base import TaskContext, forward_features, frozen
 
 STATE_FILE = "train_state.json"
 METHOD_STATE_FILE = "method_state.pt"
@@ -87,8 +90,12 @@ def train_loop(config: dict) -> None:
     total = steps_per_epoch * train["epochs"] // train["grad_accum"]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, train["weight_decay"]),
                                       config=deepspeed_config(train, world, total))
+    teacher = None
+    if method.needs_teacher and config["task_index"] > 0:  # θ(t-1), as registered: also right after a resume
+        teacher = models.prepare_for_deepspeed(models.create(config["model"]["arch"], config["model_source"]).model)
+        teacher = frozen(teacher.to(device=engine.device, dtype=next(engine.module.parameters()).dtype))
     task_ctx = TaskContext(model=engine.module, task_index=config["task_index"], rank=rank, world_size=world,
-                           device=engine.device, params=method.params)
+                           device=engine.device, teacher=teacher, current=config["current"])
 
     start_epoch = 0
     checkpoint = ray.train.get_checkpoint()
@@ -109,26 +116,30 @@ def train_loop(config: dict) -> None:
                                            local_shuffle_buffer_size=train["shuffle_buffer"],
                                            local_shuffle_seed=train["seed"] + 1000 * epoch + rank,
                                            dtypes={"image": torch.float32, "text": torch.long})
+        last = epoch == train["epochs"] - 1
+        kept = collections.deque(maxlen=method.task_end_batches if last else 0)  # for after_task
         tic, seen = time.perf_counter(), 0
         for i, batch in enumerate(batches):
             if i >= steps_per_epoch:  # equal steps on every rank, or collectives would hang
                 break
-            image, text = engine(batch["image"], batch["text"])[:2]
-            feats = Features(image, text, engine.module.logit_scale.exp())
-            terms = {"clip": clip_loss(image, text, feats.logit_scale)}
+            feats = forward_features(engine.module, batch["image"], batch["text"])
+            terms = {"clip": clip_loss(feats.image, feats.text, feats.logit_scale)}
             terms.update(method.loss_terms(task_ctx, batch, feats))
             loss = sum(terms.values())
             engine.backward(loss)
             engine.step()
+            with torch.no_grad():  # as open_clip: a temperature below 1/100 makes the softmax collapse
+                engine.module.logit_scale.clamp_(0, math.log(100))
             method.after_step(task_ctx)
+            kept.append(batch)
             task_ctx.step += 1
             seen += batch["image"].shape[0]
             if task_ctx.step % train["log_every"] == 0:
                 logger.log(task_ctx.step, {"loss": loss, **{f"loss/{k}": v for k, v in terms.items()}},
                            lr=engine.get_lr()[0], samples_per_s=seen * world / (time.perf_counter() - tic), epoch=epoch)
         _maybe_fail(config.get("fail_once"), epoch, rank)  # dies with the epoch trained but not checkpointed
-        if epoch == train["epochs"] - 1:
-            method.after_task(task_ctx)
+        if last:
+            method.after_task(task_ctx, list(kept))
         _report_epoch(engine, method, bundle, epoch, task_ctx.step, rank,
                       {"epoch": epoch, "step": task_ctx.step, "loss": float(loss.detach()), "start_epoch": start_epoch,
                        "samples_per_s": seen * world / max(time.perf_counter() - tic, 1e-9)})

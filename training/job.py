@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 import mlflow
+import numpy as np
 import ray
 import ray.data
 import torch
@@ -20,7 +21,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from clipstream.settings import Settings
-from training import evaluate, methods, models
+from training import diagnostics, evaluate, methods, models
 from training.data.reader import training_dataset
 from training.data.task import DataError, Task
 from training.engine import EXPORT_DIR, METHOD_STATE_FILE, train_loop
@@ -69,9 +70,13 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
     if any(entry["task"] == task.name for entry in history):
         raise ValueError(f"version {parent_v.version} has already been trained on task {task.name!r}")
     current = {"task": task.name, "path": str(task.root), "data_sha": task.data_sha()}
+    parent_state = parent_v.folder / METHOD_STATE_FILE if parent_v else None
+    if parent_state:  # e.g. ER's buffer: the driver reads it to build the training data
+        method_obj.load_state_dict(torch.load(parent_state, weights_only=False))
+    workdir = tempfile.mkdtemp(prefix="clipstream-job-")  # data a method adds (ER's buffer as a task)
 
     sources, rows, skipped = [], 0, []
-    for entry in method_obj.training_tasks(current, history):
+    for entry in [current, *method_obj.extra_tasks(current, history, workdir)]:
         source = _task_of(entry)
         check = source.check("train", train_cfg["on_bad_image"])
         sources.append((source, check.skipped_ids))
@@ -104,7 +109,7 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
             train_loop_config={**config, "model_source": model_source, "task_index": len(history),
                                "steps_per_epoch": steps_per_epoch, "fail_once": fail_once,
                                "threads_per_worker": max(1, int(ray.available_resources().get("CPU", 1)) // workers),
-                               "parent_state": str(parent_v.folder / METHOD_STATE_FILE) if parent_v else None,
+                               "parent_state": str(parent_state) if parent_state else None, "current": current,
                                "tracking": {"uri": settings.mlflow_tracking_uri, "run_id": run_id}},
             scaling_config=ScalingConfig(num_workers=workers, use_gpu=torch.cuda.is_available(),
                                          resources_per_worker=None if torch.cuda.is_available() else {"CPU": 0.5}),
@@ -113,7 +118,10 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
                                  checkpoint_config=CheckpointConfig(num_to_keep=1)),
             datasets={"train": dataset},
         )
-        result = trainer.fit()
+        try:
+            result = trainer.fit()
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
         mlflow.log_metrics({f"train/{k}": v for k, v in result.metrics.items() if k in ("samples_per_s", "start_epoch", "step")})
 
         staging = Path(tempfile.mkdtemp(prefix="clipstream-version-")) / "checkpoint"  # the artifact's name
@@ -123,7 +131,8 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
 
         trained = models.load_exported(staging)
         seen = [*history, current]
-        scores = evaluate.evaluate_seen([evaluate.embed_task(trained, _task_of(e)) for e in seen])
+        embedded = [evaluate.embed_task(trained, _task_of(e)) for e in seen]
+        scores = evaluate.evaluate_seen(embedded)
         previous = parent_v.manifest.get("matrix", {}) if parent_v else {}
         known = evaluate.ResultMatrix.from_dict(previous["known"]) if previous else evaluate.ResultMatrix()
         unknown = evaluate.ResultMatrix.from_dict(previous["unknown"]) if previous else evaluate.ResultMatrix()
@@ -140,6 +149,12 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
         plots = settings.home / "plots" / run_id
         heatmap = known.heatmap(plots / f"{run_name}-known.png", title=f"R[i][j] (Rm, task-known) after {task.name}")
         unknown.heatmap(plots / f"{run_name}-unknown.png", title=f"R[i][j] (Rm, task-unknown) after {task.name}")
+        if parent_v:  # Mod-X's spatial disorder: how the old tasks' test pairs moved from parent to this version
+            before = [evaluate.embed_task(models.load_exported(parent_v.folder), _task_of(e)) for e in history]
+            probe = [np.concatenate([getattr(e, m) for e in es]) for es in (before, embedded[:-1]) for m in ("img", "txt")]
+            mlflow.log_metrics(diagnostics.spatial_disorder(*probe))  # old_img, old_txt, new_img, new_txt
+            diagnostics.plot_spatial_disorder(*probe, plots / f"{run_name}-spatial-disorder.png",
+                                              title=f"v{parent_v.version} -> {task.name}: old tasks' test pairs")
         mlflow.log_artifacts(str(plots), "plots")
 
         (staging / MANIFEST).write_text(json.dumps({

@@ -32,10 +32,30 @@ def positive_columns(local_batch: int, device=None) -> torch.Tensor:
     return torch.arange(local_batch, device=device) + rank * local_batch
 
 
-def clip_loss(image: torch.Tensor, text: torch.Tensor, logit_scale: torch.Tensor) -> torch.Tensor:
-    """Symmetric InfoNCE of open_clip's `ClipLoss(local_loss=True, gather_with_grad=True)`."""
+def clip_loss(image: torch.Tensor, text: torch.Tensor, logit_scale: torch.Tensor, distributed: bool = True) -> torch.Tensor:
+    """Symmetric InfoNCE of open_clip's `ClipLoss(local_loss=True, gather_with_grad=True)`;
+    `distributed=False` scores the local batch alone (no collective)."""
+    if not distributed:
+        labels = torch.arange(image.shape[0], device=image.device)
+        logits = logit_scale * image @ text.T
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
     all_image, all_text = gather(image), gather(text)
     labels = positive_columns(image.shape[0], image.device)
     logits_i2t = logit_scale * image @ all_text.T
     logits_t2i = logit_scale * text @ all_image.T
     return (F.cross_entropy(logits_i2t, labels) + F.cross_entropy(logits_t2i, labels)) / 2
+
+
+def row_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """Per row, KL(softmax(teacher) || softmax(student)) in fp32; the teacher's gradient is cut."""
+    log_q = F.log_softmax(teacher_logits.detach().float(), dim=-1)
+    log_p = F.log_softmax(student_logits.float(), dim=-1)
+    return (log_q.exp() * (log_q - log_p)).sum(dim=-1)
+
+
+def fill_positives(scores: torch.Tensor, value: float) -> torch.Tensor:
+    """`scores` (local rows x gathered columns) with each row's own column (rank*B + i) set to `value`."""
+    rows = torch.arange(scores.shape[0], device=scores.device)
+    out = scores.clone()
+    out[rows, positive_columns(scores.shape[0], scores.device)] = value
+    return out

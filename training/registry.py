@@ -90,7 +90,10 @@ class Registry:
             yield active.info.run_id
 
     def register(self, checkpoint: Path, tags: dict[str, str], alias: str = CANDIDATE) -> str:
-        """Log `checkpoint` as the active run's model, register it as the next version, tag it, alias it."""
+        """Log `checkpoint` as the active run's model, register it as the next version, tag it, alias it.
+        The lineage's task names also go in a tag, so serving can check its gallery without a download."""
+        lineage = json.loads((Path(checkpoint) / MANIFEST).read_text()).get("lineage", [])
+        tags = {**tags, "lineage_tasks": ",".join(e["task"] for e in lineage)}
         info = mlflow.pyfunc.log_model(name="model", python_model=str(Path(__file__).with_name("mlflow_model.py")),
                                        artifacts={"checkpoint": str(checkpoint)}, pip_requirements=["clipstream"])
         version = mlflow.register_model(info.model_uri, self.name, tags={k: str(v) for k, v in tags.items()}).version

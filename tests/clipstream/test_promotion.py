@@ -2,47 +2,24 @@
 training: a tiny exported model registered with chosen lineage and metrics."""
 
 import getpass
-import json
 import shutil
 
-import mlflow
 import pytest
-import torch
 
 from clipstream.cli import main
 from clipstream.promotion import PromotionError, history, promote, rollback
 from services.index import open_index
-from training import models
+from tests.conftest import register_version
 from training.data.task import DataError, Task
-from training.registry import MANIFEST, Registry
-
-
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("export") / "checkpoint"
-    models.export(models.create("clipstream-vit-tiny"), folder)
-    torch.save({}, folder / "method_state.pt")
-    return folder
+from training.registry import Registry
 
 
 @pytest.fixture
-def make(settings, exported, tmp_path):
+def make(settings):
     """make(task_dirs, aa, forgetting, parent) registers the next version with that lineage and metrics."""
-    registry = Registry(settings)
-
-    def _make(dirs, aa, forgetting, parent=""):
-        tasks = [Task.load(d) for d in dirs]
-        lineage = [{"task": t.name, "path": str(t.root), "data_sha": "sha-" + t.name} for t in tasks]
-        folder = tmp_path / f"v{len(registry.versions()) + 1}" / "checkpoint"
-        shutil.copytree(exported, folder)
-        (folder / MANIFEST).write_text(json.dumps({"lineage": lineage, "matrix": {}}))
-        tags = {"task": tasks[-1].name, "task_index": str(len(tasks) - 1), "method": "finetune",
-                "parent_version": parent, "data_sha": lineage[-1]["data_sha"]}
-        with registry.run(f"{len(tasks) - 1:02d}-{tasks[-1].name}", tags):
-            mlflow.log_metrics({"known/AA": aa, "known/forgetting": forgetting})
-            return registry.register(folder, tags)
-
-    return _make
+    seeds = iter(range(100, 200))
+    return lambda dirs, aa, forgetting, parent="": register_version(settings, next(seeds), task_dirs=dirs, aa=aa,
+                                                                    forgetting=forgetting, parent=parent)
 
 
 def _production(settings):

@@ -1,34 +1,14 @@
-"""A registered version made without training (a real tiny open_clip model, really registered in MLflow)."""
+"""A real Ray Serve app on loopback gRPC, serving versions registered without training."""
 
 import io
-import json
 import socket
 
 import grpc
-import mlflow
 import pytest
 import torch
 from PIL import Image
 
-from training import models
-from training.registry import MANIFEST, Registry
-
-
-def register_version(settings, seed: int, alias: str | None = None, lineage=()) -> str:
-    torch.manual_seed(seed)
-    bundle = models.create("clipstream-vit-tiny")
-    folder = settings.home / f"export-{seed}" / "checkpoint"
-    models.export(bundle, folder)
-    torch.save({}, folder / "method_state.pt")
-    (folder / MANIFEST).write_text(json.dumps({"lineage": list(lineage), "matrix": {}}))
-    registry = Registry(settings)
-    with registry.run(f"seed-{seed}", {}) as _:
-        mlflow.log_metrics({"known/AA": 50.0, "known/forgetting": 0.0})
-        version = registry.register(folder, {"task": f"t{seed}", "task_index": "0", "method": "finetune",
-                                             "parent_version": "", "data_sha": "x"})
-    if alias:
-        registry.client.set_registered_model_alias(registry.name, alias, version)
-    return version
+from tests.conftest import register_version
 
 
 def _free_port() -> int:
@@ -50,14 +30,14 @@ def served(ray_cluster, tmp_path_factory):
     from clipstream.settings import Settings
     from clipstream.v1 import encoder_pb2_grpc
     from services import app
-    from services.encoder import Limits
 
-    settings = Settings(home=tmp_path_factory.mktemp("serve") / "home", grpc_port=_free_port()).ensure_dirs()
+    # no CPU reserved: the session's 2-CPU Ray cluster must still fit the training tests that follow
+    settings = Settings(home=tmp_path_factory.mktemp("serve") / "home", grpc_port=_free_port(), serve_max_items=8,
+                        serve_max_text_chars=100, serve_max_image_bytes=200_000, serve_batch_size=16,
+                        serve_encoder_cpus=0, serve_search_cpus=0).ensure_dirs()
     v1 = register_version(settings, seed=1, alias="production")
     v2 = register_version(settings, seed=2)
-    # no CPU reserved: the session's 2-CPU Ray cluster must still fit the training tests that follow
-    app.start(settings, limits=Limits(max_items=8, max_text_chars=100, max_image_bytes=200_000), batch_size=16,
-              cpus=(0, 0))
+    app.start(settings)
     channel = grpc.insecure_channel(f"127.0.0.1:{settings.grpc_port}")
     grpc.channel_ready_future(channel).result(timeout=60)
     yield settings, channel, encoder_pb2_grpc.EncoderStub(channel), (v1, v2)

@@ -153,6 +153,19 @@ def test_versions_under_both_policies(index):
     assert len(hits) == 60 and {(h.model_version, h.index_generation) for h in hits} == {("9", 2)}
 
 
+def test_query_version_follows_the_gallery(make):
+    index = make()
+    with pytest.raises(VectorIndexError, match="empty"):
+        index.pin("1")
+    assert index.state()["query_version"] is None
+    assert index.append(tv("a", "1"))["query_version"] == "1"  # the first gallery pins its own version
+    assert index.append(tv("b", "2"))["query_version"] == "1"  # a no-reindex append keeps the pinned encoder
+    before = checksums(index, "a")
+    assert index.pin("2")["query_version"] == "2" and make().state()["query_version"] == "2"  # published
+    assert checksums(index, "a") == before and index.state()["generation"] == 1  # pinning moves no vector
+    assert index.reindex([tv("a", "3"), tv("b", "3")])["query_version"] == "3"  # switched with the gallery
+
+
 def test_task_known_search(index):
     tasks = [tv("a", "1"), tv("b", "2"), tv("c", "3")]
     for t in tasks:

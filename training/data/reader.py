@@ -84,4 +84,6 @@ def training_dataset(tasks: Iterable[tuple[Task, Iterable[str]]], preprocess: Ca
             fn_kwargs={"root": str(task.root), "preprocess": preprocess, "tokenizer": tokenizer,
                        "skip_ids": frozenset(map(str, skip_ids))},
         ))
-    return parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])
+    # several tasks (joint, replay): blocks in a new random order each epoch, so the workers' local
+    # shuffle buffers see every task throughout the epoch rather than one task after another
+    return parts[0] if len(parts) == 1 else parts[0].union(*parts[1:]).randomize_block_order()

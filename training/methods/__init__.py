@@ -1,20 +1,27 @@
-"""Continual-learning methods by name, and their presets."""
+"""Continual-learning methods by name, and the presets that configure and compose them."""
 
-from training.methods.base import Features, Method, TaskContext
+from training.methods.base import Features, Method, Stack, TaskContext, forward_features
 from training.methods.config import resolve
-from training.methods.finetune import Finetune
+from training.methods.ctp import CTP
+from training.methods.er import ER
+from training.methods.ewc import EWC
 from training.methods.joint import Joint
+from training.methods.lwf import LwF
+from training.methods.mas import MAS
+from training.methods.modx import ModX
 
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Finetune, Joint)}
-
-
-def build(config: dict) -> Method:
-    """The method named by a resolved preset's `method.name`, given the rest of `method` as params."""
-    params = dict(config["method"])
-    name = params.pop("name")
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; known: {', '.join(sorted(METHODS))}")
-    return METHODS[name](params)
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Joint, EWC, MAS, LwF, ER, ModX, CTP)}
 
 
-__all__ = ["Features", "METHODS", "Method", "TaskContext", "build", "resolve"]
+def build(config: dict) -> Stack:
+    """The methods of a resolved preset's `method` section ({name: params}), applied together; an empty
+    section is sequential fine-tuning. The stack is named after the preset."""
+    section = config.get("method") or {}
+    unknown = sorted(set(section) - set(METHODS))
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown} in preset {config.get('preset')!r}; known: {', '.join(sorted(METHODS))}")
+    return Stack(config.get("preset", "+".join(section) or "finetune"),
+                 [METHODS[name](dict(params or {})) for name, params in section.items()])
+
+
+__all__ = ["Features", "METHODS", "Method", "Stack", "TaskContext", "build", "forward_features", "resolve"]

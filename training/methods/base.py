@@ -1,51 +1,79 @@
-"""The interface every continual-learning method implements: hooks into one task's train loop."""
+"""The interface every continual-learning method implements (hooks into one task's train loop), the
+stack that composes methods (`ctp_er` = CTP's losses on batches that mix in ER's replay), and the
+pieces several methods share: the features of one forward pass and the frozen previous model."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Features:
+    """One forward pass on a local batch: L2-normalised features, the pre-normalisation ones (MAS, LwF)
+    and exp(logit_scale)."""
+
+    image: torch.Tensor
+    text: torch.Tensor
+    image_raw: torch.Tensor
+    text_raw: torch.Tensor
+    logit_scale: torch.Tensor
+
+
+def forward_features(model: torch.nn.Module, image: torch.Tensor, text: torch.Tensor) -> Features:
+    """open_clip's forward without its built-in normalisation, so the raw features stay visible. Under
+    ZeRO 0-2 the parameters are whole on every rank, so calling the towers directly is what the engine's
+    forward would do."""
+    image_raw, text_raw = model.encode_image(image), model.encode_text(text)
+    return Features(F.normalize(image_raw, dim=-1), F.normalize(text_raw, dim=-1), image_raw, text_raw,
+                    model.logit_scale.exp())
 
 
 @dataclass
 class TaskContext:
-    """What a hook may look at: the live model (unwrapped), where it runs, and the stream so far."""
+    """What a hook may look at: the live model (unwrapped), the frozen model of the previous task
+    (`teacher`, None on the first task), where it runs, and the task being trained."""
 
     model: torch.nn.Module
     task_index: int
     rank: int
     world_size: int
     device: torch.device
-    params: dict = field(default_factory=dict)
+    teacher: Optional[torch.nn.Module] = None
+    current: dict = field(default_factory=dict)
     step: int = 0
+    _teacher_cache: tuple = (None, None)
 
-
-@dataclass
-class Features:
-    """One forward pass of the live model on a local batch (L2-normalised features)."""
-
-    image: torch.Tensor
-    text: torch.Tensor
-    logit_scale: torch.Tensor
+    def teacher_features(self, batch: dict) -> Features:
+        """The teacher's features of this step's batch, computed once however many methods ask."""
+        if self._teacher_cache[0] is not batch:
+            with torch.no_grad():
+                self._teacher_cache = (batch, forward_features(self.teacher, batch["image"], batch["text"]))
+        return self._teacher_cache[1]
 
 
 class Method:
     """Sequential fine-tuning is the base behaviour; a method overrides only the hooks it needs.
 
-    Lifecycle per task job: `load_state_dict` (state saved with the parent version) → `training_tasks`
-    (on the driver) → `before_task` → for each step: `loss_terms` → `after_step` → `after_task` →
-    `state_dict` (persisted with the new version)."""
+    Lifecycle per task job: `load_state_dict` (state saved with the parent version; on the driver too)
+    → `extra_tasks` (driver) → `before_task` → for each step: `loss_terms` → `after_step` →
+    `after_task` (with the task's last `task_end_batches` batches) → `state_dict` (saved with the version).
+    """
 
     name = "finetune"
+    needs_teacher = False  # the engine then builds ctx.teacher: the parent version, frozen
+    task_end_batches = 0   # how many of the last epoch's batches `after_task` receives
     trains_towers = ("image", "text")  # a tower left out is recorded unchanged, so indexing can reuse its vectors
 
     def __init__(self, params: dict):
         self.params = params
 
-    def training_tasks(self, current: dict, history: list[dict]) -> list[dict]:
-        """Which tasks' training data this job reads: lineage entries `{task, path, ...}`."""
-        return [current]
+    def extra_tasks(self, current: dict, history: list[dict], workdir: str) -> list[dict]:
+        """Training data besides the current task's: lineage-style entries `{task, path, ...}`."""
+        return []
 
     def before_task(self, ctx: TaskContext) -> None:
         pass
@@ -57,7 +85,7 @@ class Method:
     def after_step(self, ctx: TaskContext) -> None:
         pass
 
-    def after_task(self, ctx: TaskContext) -> None:
+    def after_task(self, ctx: TaskContext, batches: list[dict]) -> None:
         pass
 
     def state_dict(self) -> dict[str, Any]:
@@ -65,3 +93,57 @@ class Method:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+class Stack(Method):
+    """Methods applied together, each with its own parameters and state; an empty stack is fine-tuning."""
+
+    def __init__(self, name: str, components: list[Method]):
+        super().__init__({c.name: c.params for c in components})
+        self.name, self.components = name, components
+        self.needs_teacher = any(c.needs_teacher for c in components)
+        self.task_end_batches = max([c.task_end_batches for c in components], default=0)
+
+    def extra_tasks(self, current, history, workdir):
+        entries = {}
+        for c in self.components:
+            entries.update({e["task"]: e for e in c.extra_tasks(current, history, workdir)})
+        return list(entries.values())
+
+    def before_task(self, ctx):
+        for c in self.components:
+            c.before_task(ctx)
+
+    def loss_terms(self, ctx, batch, feats):
+        terms = {}
+        for c in self.components:
+            terms.update({(k if k not in terms else f"{c.name}_{k}"): v for k, v in c.loss_terms(ctx, batch, feats).items()})
+        return terms
+
+    def after_step(self, ctx):
+        for c in self.components:
+            c.after_step(ctx)
+
+    def after_task(self, ctx, batches):
+        for c in self.components:
+            c.after_task(ctx, batches[-c.task_end_batches:] if c.task_end_batches else [])
+
+    def state_dict(self):
+        return {c.name: c.state_dict() for c in self.components}
+
+    def load_state_dict(self, state):
+        for c in self.components:  # a parent trained with another method has no state for this one
+            if c.name in state:
+                c.load_state_dict(state[c.name])
+
+
+def frozen(module: torch.nn.Module) -> torch.nn.Module:
+    """Eval mode, no gradients: a teacher or momentum copy that an optimizer must never touch."""
+    module.eval()
+    for p in module.parameters():
+        p.requires_grad_(False)
+    return module
+
+
+def trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}

@@ -6,5 +6,5 @@ from training.methods.base import Method
 class Joint(Method):
     name = "joint"
 
-    def training_tasks(self, current: dict, history: list[dict]) -> list[dict]:
-        return [*history, current]
+    def extra_tasks(self, current, history, workdir):
+        return list(history)

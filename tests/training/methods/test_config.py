@@ -23,20 +23,43 @@ CUSTOM = {
 }
 
 
-def test_shipped_presets_resolve_with_all_base_keys():
+SHIPPED = {"finetune": [], "joint": ["joint"], "ewc": ["ewc"], "mas": ["mas"], "lwf": ["lwf"], "er": ["er"],
+           "modx": ["modx"], "ctp": ["ctp"], "ctp_er": ["ctp", "er"]}
+
+
+def test_shipped_presets_resolve_with_all_base_keys_and_build_their_methods():
+    from training.methods import build
+
     presets = load_presets()
+    assert set(presets) == {"base", *SHIPPED}
     base = presets["base"]
-    for name in ("finetune", "joint"):
+    for name, components in SHIPPED.items():
         config = resolve(name)
         assert config["preset"] == name
-        assert config["method"]["name"] == name
         for section, values in base.items():
-            assert set(values) <= set(config[section]), f"{name} lacks keys of base.{section}"
+            if isinstance(values, dict):
+                assert set(values) <= set(config[section]), f"{name} lacks keys of base.{section}"
         for key, value in base["train"].items():
             assert config["train"][key] == value
         assert "inherit_from" not in config
+        stack = build(config)
+        assert stack.name == name and [c.name for c in stack.components] == components
+        assert all(c.params == config["method"][c.name] for c in stack.components)
     assert resolve("finetune")["model"]["arch"] == "clipstream-vit-tiny"
     assert resolve("finetune")["train"]["lr"] == pytest.approx(1e-3)
+    assert resolve("ctp_er")["method"]["er"] == resolve("er")["method"]["er"]  # composed, each with its own params
+
+
+def test_component_overrides_and_unknown_components():
+    from training.methods import build
+
+    config = resolve("ctp_er", ["method.ctp.momentum=0.5", "method.er.buffer_pairs=7"])
+    stack = build(config)
+    assert stack.components[0].params["momentum"] == 0.5 and stack.components[1].params["buffer_pairs"] == 7
+    with pytest.raises(ValueError, match="has no key 'method.ctp.nope'"):
+        resolve("ctp", ["method.ctp.nope=1"])
+    with pytest.raises(ValueError, match=r"unknown method\(s\) \['bogus'\]"):
+        build({"preset": "x", "method": {"bogus": {}}})
 
 
 def test_parents_merge_in_order_and_own_keys_win():

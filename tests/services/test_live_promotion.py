@@ -1,0 +1,94 @@
+"""Promotion while clients keep calling, and API-key authentication, against a redeployed real app.
+
+The module redeploys the Serve application with its own stream (real task data, versions registered in
+MLflow, reindex policy, an API key) on the session's gRPC port, and puts the shared app back afterwards.
+"""
+
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from clipstream.promotion import promote
+from clipstream.settings import Settings
+from clipstream.v1 import admin_pb2, admin_pb2_grpc, encoder_pb2, encoder_pb2_grpc
+from services import app
+from services.client import Client
+from tests.conftest import register_version
+from training.data.task import Task
+
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def live(served, stream, tmp_path_factory):
+    shared = served[0]
+    settings = Settings(home=tmp_path_factory.mktemp("live") / "home", grpc_port=shared.grpc_port, api_key=KEY,
+                        index_policy="reindex", serve_encoder_cpus=0, serve_search_cpus=0).ensure_dirs()
+    v1 = register_version(settings, seed=11, task_dirs=stream[:1])
+    v2 = register_version(settings, seed=12, task_dirs=stream, parent=v1)
+    promote(settings, v1)  # gallery of task 0 under v1, then the alias
+    app.start(settings)  # same name and route: Serve replaces the shared app in place
+    yield settings, served[1], (v1, v2)
+    app.start(shared)
+
+
+def test_without_the_api_key_every_rpc_is_unauthenticated_but_probes_answer(live):
+    settings, channel, _ = live
+    calls = [lambda md: encoder_pb2_grpc.EncoderStub(channel).EncodeText(
+                 encoder_pb2.EncodeTextRequest(texts=["a cup"]), metadata=md),
+             lambda md: admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.GetStatusRequest(), metadata=md)]
+    for call in calls:
+        for metadata in (None, (("x-api-key", "wrong"),)):
+            with pytest.raises(grpc.RpcError) as err:
+                call(metadata)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "x-api-key" in err.value.details()
+        assert call((("x-api-key", KEY),)) is not None
+    check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="clipstream.v1.Search"))
+    assert check.status == health_pb2.HealthCheckResponse.SERVING
+    with Client(f"127.0.0.1:{settings.grpc_port}") as anonymous, pytest.raises(grpc.RpcError):
+        anonymous.search(text="a cup")
+
+
+def test_promotion_under_continuous_traffic_fails_no_request(live, stream):
+    settings, _, (v1, v2) = live
+    query = Task.load(stream[0]).check("test").rows[0]["caption"]
+    stop, log, errors = threading.Event(), [], []
+
+    def client_loop(kind: str, me: int):
+        with Client(f"127.0.0.1:{settings.grpc_port}", api_key=KEY, retries=0) as client:
+            while not stop.is_set():
+                try:
+                    if kind == "search":
+                        hits = client.search(text=query, k=5)
+                        log.append((kind, me, hits[0]["query_model_version"], {h["model_version"] for h in hits}))
+                    else:
+                        log.append((kind, me, client.encode_text([query])[1], set()))
+                except Exception as exc:  # any failure at all is what this test is about
+                    errors.append(repr(exc))
+
+    threads = [threading.Thread(target=client_loop, args=(k, i)) for i, k in enumerate(("search", "search", "encode"))]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        result = promote(settings, v2)  # reindexes both tasks with v2 (a Ray Data job) while clients call
+        deadline = time.monotonic() + 20
+        while not any(k == "encode" and v == v2 for k, _, v, _ in log[-20:]):  # the Encoder's alias TTL
+            assert time.monotonic() < deadline, "the Encoder never switched to v2"
+            time.sleep(0.2)
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert result["index"]["query_version"] == v2 and not errors, errors[:3]
+    searches = [(v, made) for k, _, v, made in log if k == "search"]
+    assert {v for v, _ in searches} == {v1, v2} and {v for k, _, v, _ in log if k == "encode"} == {v1, v2}
+    # every query was ranked against vectors its own encoder made: old with old, new with new
+    assert all(made == {v} for v, made in searches)
+    for me in range(len(threads)):  # each client sees a single switch, never back
+        seen = [v for _, who, v, _ in log if who == me]
+        assert seen == sorted(seen, key=lambda v: v == v2), seen

@@ -1,0 +1,71 @@
+"""Every continual method trains a 3-task stream from the CLI (`clipstream train`) through Ray Train +
+DeepSpeed on 2 workers, and its state, registered with each version, carries into the next task's job."""
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from clipstream.cli import main
+from training.data.task import Task
+from training.registry import Registry
+
+FAST = ["train.epochs=1", "train.micro_batch=8", "train.log_every=1", "train.max_failures=0", "train.warmup_steps=1"]
+# (preset, ZeRO stage): teacher and momentum copies must stay outside every stage's optimizer
+STREAMS = [("ewc", 2), ("mas", 0), ("lwf", 1), ("er", 0), ("modx", 1), ("ctp", 2), ("ctp_er", 0)]
+
+
+@pytest.fixture(scope="module")
+def three_tasks(tmp_path_factory):
+    from training.data.synth import synthesize
+
+    return synthesize(tmp_path_factory.mktemp("three") / "data", tasks=3, seed=5, train_pairs=360, test_per_task=12,
+                      digits=False, progress=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, stage", STREAMS)
+def test_a_three_task_stream_carries_the_method_state(ray_cluster, settings, three_tasks, method, stage):
+    extra = ["method.er.buffer_pairs=40"] if "er" in method.split("_") else []
+    registry = Registry(settings)
+    for folder in three_tasks:
+        parent = registry.versions()[-1].version if registry.versions() else None
+        args = ["train", "--task", str(folder), "--method", method, "--workers", "2"]
+        for item in [*FAST, f"train.zero_stage={stage}", *extra]:
+            args += ["--set", item]
+        assert main(args + (["--parent", parent] if parent else [])) == 0
+
+    versions = registry.versions()
+    assert [v.tags["method"] for v in versions] == [method] * 3
+    assert [v.tags["parent_version"] for v in versions] == ["", "1", "2"]
+    states = [torch.load(registry.resolve(v.version).folder / "method_state.pt", weights_only=False) for v in versions]
+    client = MlflowClient(settings.mlflow_tracking_uri)
+    metrics = [client.get_run(v.run_id).data.metrics for v in versions]
+    rows = [len(Task.load(d).check("train").rows) for d in three_tasks]
+    assert registry.resolve("3").manifest["matrix"]["known"]["tasks"] == [d.name for d in three_tasks]
+    assert all("sd/image_rotation_mean" in m for m in metrics[1:])  # Mod-X's diagnostics, from task 2 on
+
+    for component in method.split("_"):
+        state = [s[component] for s in states]
+        if component in ("ewc", "mas"):
+            assert [s["tasks"] for s in state] == [1, 2, 3]  # merged across jobs, not restarted
+            assert all(m["loss/penalty"] > 0 for m in metrics[1:]) and "loss/penalty" not in metrics[0]
+            totals = [sum(float(v.sum()) for v in s["importance"].values()) for s in state]
+            assert all(t > 0 for t in totals)
+            if component == "mas":
+                assert totals[0] < totals[1] < totals[2]  # accumulated
+        elif component == "er":
+            assert [s["seen"] for s in state] == [rows[0], rows[0] + rows[1], sum(rows)]
+            assert [len(s["pairs"]) for s in state] == [40] * 3
+            assert {p["task"] for p in state[2]["pairs"]} == {d.name for d in three_tasks}
+            trained = [int(client.get_run(v.run_id).data.params["train_rows"]) for v in versions]
+            assert trained == [rows[0], rows[1] + 40, rows[2] + 40]  # the parent's buffer was replayed
+        elif component == "ctp":
+            steps = sum(int(m["train/step"]) for m in metrics)
+            k = len(state[2]["queue_image"]["rows"])
+            assert state[2]["queue_image"]["ptr"] == steps * 2 * 8 % k  # one queue through all three jobs
+            assert all(m["loss/topology_c"] > 0 and m["loss/topology_s"] >= 0 for m in metrics[1:])
+            assert "loss/topology_c" not in metrics[0] and all(m["loss/cmc"] > 0 for m in metrics)
+        elif component in ("lwf", "modx"):
+            assert all("loss/distill" in m for m in metrics[1:]) and "loss/distill" not in metrics[0]
+            if component == "lwf":
+                assert all(m["loss/distill"] > 0 for m in metrics[1:])

@@ -1,0 +1,132 @@
+"""CTP (ctp.md §2), adapted to CLIP as the card says (no MLM terms; fixed τ in its own terms):
+
+- a compatible momentum model M, reset to θ(t-1) at each task start and updated every step before its
+  forward pass, θc ← m·θc + (1−m)/2·θ(t−1) + (1−m)/2·θt (on the first task, with no θ(t−1), a plain
+  EMA with m = first_task_momentum);
+- L_cmc: each local feature contrasted against M's features of the gathered batch followed by a FIFO
+  queue of K earlier M features per modality (the queue outlives tasks);
+- from the second task, topology preservation against the frozen θ(t−1): L_c on the cross-modal
+  similarity rows, L_s on the intra-modal ones with the diagonal filled with −1000 before /τ.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from training.losses import fill_positives, gather, positive_columns, row_kl
+from training.methods.base import Method, forward_features, frozen
+
+
+class Queue:
+    """A FIFO of the last `size` feature rows (a ring buffer); starts as random unit vectors, as MoCo's."""
+
+    def __init__(self, size: int, dim: int, device, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.rows = F.normalize(torch.randn(size, dim, generator=g), dim=-1).to(device)
+        self.ptr = 0
+
+    def push(self, x: torch.Tensor) -> None:
+        x = x.detach()[-len(self.rows):].to(self.rows)
+        idx = (self.ptr + torch.arange(len(x))) % len(self.rows)
+        self.rows[idx.to(self.rows.device)] = x
+        self.ptr = int((self.ptr + len(x)) % len(self.rows))
+
+    def ordered(self) -> torch.Tensor:
+        """Oldest first."""
+        return torch.roll(self.rows, -self.ptr, dims=0)
+
+
+def cmc_loss(img, txt, m_img, m_txt, q_img, q_txt, tau: float):
+    """L_ita^c: each local feature against [M's gathered batch ; queue] of the other modality, positive at
+    its global column. Returns the loss and M's gathered features (for the queue)."""
+    with torch.no_grad():
+        m_img, m_txt = gather(m_img), gather(m_txt)
+    own = positive_columns(img.shape[0], img.device)
+    loss = (F.cross_entropy(img @ torch.cat([m_txt, q_txt]).T / tau, own)
+            + F.cross_entropy(txt @ torch.cat([m_img, q_img]).T / tau, own)) / 2
+    return loss, (m_img, m_txt)
+
+
+def topology_losses(img, txt, r_img, r_txt, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L_c, L_s) against the frozen θ(t-1)'s features r_*: KL(teacher || student) of the similarity rows
+    (local rows, gathered columns); L_s on intra-modal rows with the diagonal at −1000 before /τ."""
+    with torch.no_grad():
+        r_all = {"img": gather(r_img), "txt": gather(r_txt)}
+    s_all = {"img": gather(img), "txt": gather(txt)}
+    cross = (row_kl(r_img @ r_all["txt"].T / tau, img @ s_all["txt"].T / tau).mean()
+             + row_kl(r_txt @ r_all["img"].T / tau, txt @ s_all["img"].T / tau).mean()) / 2
+
+    def own_suppressed(rows, cols):
+        return fill_positives(rows @ cols.T, -1000.0) / tau
+
+    intra = (row_kl(own_suppressed(r_img, r_all["img"]), own_suppressed(img, s_all["img"])).mean()
+             + row_kl(own_suppressed(r_txt, r_all["txt"]), own_suppressed(txt, s_all["txt"])).mean()) / 2
+    return cross, intra
+
+
+class CTP(Method):
+    name = "ctp"
+    needs_teacher = True
+
+    def __init__(self, params: dict):
+        super().__init__(params)
+        self.momentum_model = None
+        self.queues: dict[str, Queue] = {}
+        self._saved: dict = {}
+
+    def before_task(self, ctx):
+        self.momentum_model = frozen(copy.deepcopy(ctx.model))  # θ(t-1): the live model before training
+        self._saved.pop("momentum", None)
+
+    def update_momentum(self, ctx) -> None:
+        """One step of θc ← m·θc + (1−m)/2·θ(t−1) + (1−m)/2·θt (plain EMA without a teacher)."""
+        live = dict(ctx.model.named_parameters())
+        old = dict(ctx.teacher.named_parameters()) if ctx.teacher is not None else None
+        m = self.params["momentum"] if old is not None else self.params["first_task_momentum"]
+        with torch.no_grad():
+            for name, p in self.momentum_model.named_parameters():
+                if old is None:
+                    p.mul_(m).add_(live[name].detach(), alpha=1 - m)
+                else:
+                    p.mul_(m).add_(live[name].detach(), alpha=(1 - m) / 2).add_(old[name], alpha=(1 - m) / 2)
+
+    def loss_terms(self, ctx, batch, feats):
+        if self.momentum_model is None:  # resumed mid-task: M comes back from the checkpointed state
+            self.momentum_model = frozen(copy.deepcopy(ctx.model))
+            self.momentum_model.load_state_dict(self._saved.pop("momentum"))
+        self.update_momentum(ctx)
+        with torch.no_grad():
+            m = forward_features(self.momentum_model, batch["image"], batch["text"])
+        q_img, q_txt = self._queue("image", feats), self._queue("text", feats)
+        tau = self.params["tau"]
+        cmc, (m_img, m_txt) = cmc_loss(feats.image, feats.text, m.image, m.text, q_img.rows, q_txt.rows, tau)
+        terms = {"cmc": self.params["cmc_weight"] * cmc}
+        if ctx.teacher is not None:
+            r = ctx.teacher_features(batch)
+            l_c, l_s = topology_losses(feats.image, feats.text, r.image, r.text, tau)
+            terms.update(topology_c=self.params["topology_weight"] * l_c, topology_s=self.params["topology_weight"] * l_s)
+        q_img.push(m_img)  # after use: this step contrasted against the queue as it was
+        q_txt.push(m_txt)
+        return terms
+
+    def _queue(self, modality: str, feats) -> Queue:
+        if modality not in self.queues:
+            saved = self._saved.pop(f"queue_{modality}", None)
+            queue = Queue(self.params["queue_size"], feats.image.shape[1], feats.image.device,
+                          seed=self.params.get("seed", 0) + (modality == "text"))
+            if saved is not None:
+                queue.rows, queue.ptr = saved["rows"].to(feats.image.device), saved["ptr"]
+            self.queues[modality] = queue
+        return self.queues[modality]
+
+    def state_dict(self):
+        state = {f"queue_{k}": {"rows": q.rows.cpu(), "ptr": q.ptr} for k, q in self.queues.items()}
+        if self.momentum_model is not None:
+            state["momentum"] = {k: v.detach().cpu() for k, v in self.momentum_model.state_dict().items()}
+        return {**self._saved, **state}
+
+    def load_state_dict(self, state):
+        self._saved, self.queues = dict(state), {}

@@ -1,0 +1,64 @@
+"""Importance-weighted penalties (EWC, MAS): a quadratic pull toward the previous task's weights,
+each parameter weighted by its importance; subclasses say how importance is measured and merged.
+
+Penalty: weight · Σ_k Ω_k (θ_k − θ*_k)², θ* = the previous version (the frozen teacher); zero on task 1.
+Importances are measured at the end of each task on its last batches, averaged over ranks, and kept
+(on CPU) in the method state that is registered with the version.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from training.methods.base import Method, TaskContext, forward_features, trainable
+
+
+class Importance(Method):
+    needs_teacher = True
+    kind = ""
+
+    def __init__(self, params: dict):
+        super().__init__(params)
+        self.task_end_batches = int(params.get("batches", 8))
+        self.importance: dict[str, torch.Tensor] = {}
+        self.tasks = 0
+
+    def loss_terms(self, ctx, batch, feats):
+        if not self.importance or ctx.teacher is None:
+            return {}
+        anchor = dict(ctx.teacher.named_parameters())
+        penalty = sum((self.importance[n].to(p.device) * (p - anchor[n]).pow(2)).sum()
+                      for n, p in trainable(ctx.model).items() if n in self.importance)
+        return {"penalty": self.params["weight"] * penalty}
+
+    def after_task(self, ctx: TaskContext, batches: list[dict]) -> None:
+        params = trainable(ctx.model)
+        new = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items()}
+        for batch in batches:
+            feats = forward_features(ctx.model, batch["image"], batch["text"])
+            grads = torch.autograd.grad(self.objective(feats), list(params.values()), allow_unused=True)
+            for (n, _), g in zip(params.items(), grads):
+                if g is not None:
+                    new[n] += self.measure(g.float()) / len(batches)
+        if ctx.world_size > 1:  # every rank keeps the same importances: the mean over their batches
+            for v in new.values():
+                dist.all_reduce(v)
+                v /= ctx.world_size
+        self.tasks += 1
+        self.importance = {n: self.merge(self.importance.get(n), v.cpu(), self.tasks) for n, v in new.items()}
+
+    def objective(self, feats) -> torch.Tensor:
+        raise NotImplementedError
+
+    def measure(self, grad: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def merge(self, old, new: torch.Tensor, t: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def state_dict(self):
+        return {"importance": self.importance, "tasks": self.tasks}
+
+    def load_state_dict(self, state):
+        self.importance, self.tasks = dict(state.get("importance", {})), int(state.get("tasks", 0))
