@@ -83,6 +83,8 @@ def _markdown(results: dict, names: list[str], tasks: int, seed: int, method: st
     return "\n".join(lines)
 
 
+SD_COLUMNS = {"sd/image_rotation_mean": "image rotation", "sd/text_rotation_mean": "text rotation",
+              "sd/intermodal_deviation_mean": "inter-modal deviation", "sd/imav_le5_pct": "ImAV ≤ 5° (%)"}
 METHODS = ("finetune", "joint", "ewc", "mas", "lwf", "er", "modx", "ctp", "ctp_er")
 
 
@@ -120,15 +122,19 @@ def methods(settings: Settings, tasks: int = 3, seed: int = 0, names: Sequence[s
     results: dict[str, dict] = {}
     for m, method in enumerate(names, 1):
         run_settings = settings.model_copy(update={"stream": f"bench-methods-{method}-s{seed}-{stamp}"})
-        registry, parent, rates, seconds, result = Registry(run_settings), None, [], 0.0, None
+        registry, parent, rates, seconds, result, sd = Registry(run_settings), None, [], 0.0, None, []
         for t, folder in enumerate(dirs, 1):
             print(f"== method {m}/{len(names)} {method}: task {t}/{len(dirs)} {folder.name} "
                   f"(parent {parent or 'none'})", flush=True)
             result = run_task(folder, method, parent, workers, overrides, run_settings)
             parent, seconds = result.version, seconds + result.seconds
-            rates.append(registry.run_metrics(result.run_id).get("train/samples_per_s", math.nan))
-        results[method] = {"known": result.known, "unknown": result.unknown,
-                           "samples_per_s": float(np.mean(rates)), "seconds": seconds}
+            metrics = registry.run_metrics(result.run_id)
+            rates.append(metrics.get("train/samples_per_s", math.nan))
+            if t > 1:
+                sd.append({k: metrics.get(k, math.nan) for k in SD_COLUMNS})
+        results[method] = {"known": result.known, "unknown": result.unknown, "samples_per_s": float(np.mean(rates)),
+                           "seconds": seconds, "sd": {k: float(np.nanmean([d[k] for d in sd])) for k in SD_COLUMNS}
+                           if sd else {}}
         print(f"== method {m}/{len(names)} {method}: AA {result.known.average_accuracy():.1f}, "
               f"forgetting {result.known.mean_forgetting():.1f}, BWT {result.known.bwt():.1f}, "
               f"{seconds / 60:.1f} min", flush=True)
@@ -168,6 +174,13 @@ def methods_report(results: dict[str, dict], out: Path, command: str, device: st
         cells = [known.average_accuracy(), known.mean_forgetting(), known.bwt(), unknown.average_accuracy()]
         lines.append(f"| {method} | " + " | ".join(f"{v:.1f}" for v in cells) +
                      f" | {'-' if math.isnan(ratio) else f'{ratio:.2f}'} | {r['seconds'] / 60:.1f} |")
+    if any(r.get("sd") for r in results.values()):
+        lines += ["", "Mod-X's spatial disorder between consecutive versions on the old tasks' test pairs (mean over "
+                  "tasks 2..T; degrees): how far each modality rotated, how differently the two rotated, and the "
+                  "share of pairs the old version retrieved whose image-text angle moved by at most 5°.", "",
+                  "| method | " + " | ".join(SD_COLUMNS.values()) + " |", "|---|" + "---|" * len(SD_COLUMNS)]
+        lines += [f"| {method} | " + " | ".join(f"{r['sd'][k]:.1f}" for k in SD_COLUMNS) + " |"
+                  for method, r in results.items() if r.get("sd")]
     lines += ["", f"![task-known AA after each task]({png.name})", ""]
     text = "\n".join(lines)
     out.write_text(text)

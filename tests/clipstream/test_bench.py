@@ -19,7 +19,9 @@ def _results():
                      "samples_per_s": 300.0, "seconds": 120.0},
         "ewc": {"known": ResultMatrix(TASKS, [[50], [45, 60], [40, 50, 60]]),
                 "unknown": ResultMatrix(TASKS, [[40], [35, 45], [30, 33, 36]]),  # AA 33.0
-                "samples_per_s": 200.0, "seconds": 150.0},
+                "samples_per_s": 200.0, "seconds": 150.0,
+                "sd": {"sd/image_rotation_mean": 31.0, "sd/text_rotation_mean": 22.5,
+                       "sd/intermodal_deviation_mean": 9.25, "sd/imav_le5_pct": 80.0}},
     }
 
 
@@ -31,6 +33,7 @@ def test_report_has_the_numbers_the_ratio_and_the_plot(tmp_path):
     assert "| method | AA | forgetting | BWT | final Rm (task-unknown AA) | step time ×finetune | minutes |" in text
     assert "| finetune | 30.0 | 45.0 | -45.0 | 20.0 | 1.00 | 2.0 |" in text
     assert "| ewc | 50.0 | 10.0 | -10.0 | 33.0 | 1.50 | 2.5 |" in text
+    assert "| ewc | 31.0 | 22.5 | 9.2 | 80.0 |" in text and text.count("| finetune |") == 1  # no SD for finetune
     png = out.with_suffix(".png")
     assert "](methods.png)" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000

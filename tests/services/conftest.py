@@ -11,6 +11,21 @@ from PIL import Image
 from tests.conftest import register_version
 
 
+def set_production(settings, stub, version: str, timeout_s: float = 20.0) -> None:
+    """Move alias `production` and wait until the Encoder serves it (it re-reads aliases every 2 s)."""
+    import time
+
+    from clipstream.v1 import encoder_pb2
+    from training.registry import Registry
+
+    registry = Registry(settings)
+    registry.client.set_registered_model_alias(registry.name, "production", version)
+    deadline = time.monotonic() + timeout_s
+    while stub.EncodeText(encoder_pb2.EncodeTextRequest(texts=["a cup"])).model_version != version:
+        assert time.monotonic() < deadline, f"the Encoder did not switch to v{version}"
+        time.sleep(0.2)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,11 +1,9 @@
 """Admin over real gRPC: what the served stack holds, and Search keeping its query encoder paired with
 the gallery when the production alias moves on its own."""
 
-import time
-
 from clipstream.cli import main
 from clipstream.v1 import admin_pb2, admin_pb2_grpc, encoder_pb2, search_pb2
-from training.registry import Registry
+from tests.services.conftest import set_production
 
 
 def test_status_names_production_the_pinned_query_version_and_the_gallery(served, indexed):
@@ -32,20 +30,15 @@ def test_list_versions_newest_first_with_aliases_and_cache(served):
 def test_an_alias_moved_outside_promotion_does_not_switch_search_and_status_says_so(served, indexed):
     settings, channel, stub, (v1, v2) = served
     search = indexed[1]
-    registry = Registry(settings)
-    registry.client.set_registered_model_alias(registry.name, "production", v2)
+    set_production(settings, stub, v2)
     try:
-        deadline = time.monotonic() + 20  # the Encoder re-reads the alias within its TTL
-        while stub.EncodeText(encoder_pb2.EncodeTextRequest(texts=["a cup"])).model_version != v2:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
         # the gallery holds v1's vectors: queries stay with v1 until a promotion pins v2 with its gallery
         assert search.Search(search_pb2.SearchRequest(text="a red square", k=3)).query_model_version == v1
         status = admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.GetStatusRequest())
         assert (status.production_version, status.query_version, status.consistent) == (v2, v1, False)
         assert any(f"production is v{v2} but the gallery serves queries for v{v1}" in p for p in status.problems)
     finally:
-        registry.client.set_registered_model_alias(registry.name, "production", v1)
+        set_production(settings, stub, v1)
 
 
 def test_cli_status_prints_versions_tasks_and_consistency(served, indexed, capsys):

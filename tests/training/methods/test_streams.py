@@ -18,7 +18,7 @@ STREAMS = [("ewc", 2), ("mas", 0), ("lwf", 1), ("er", 0), ("modx", 1), ("ctp", 2
 def three_tasks(tmp_path_factory):
     from training.data.synth import synthesize
 
-    return synthesize(tmp_path_factory.mktemp("three") / "data", tasks=3, seed=5, train_pairs=360, test_per_task=12,
+    return synthesize(tmp_path_factory.mktemp("three") / "data", tasks=3, seed=5, train_pairs=800, test_per_task=12,
                       digits=False, progress=False)
 
 
@@ -40,6 +40,9 @@ def test_a_three_task_stream_carries_the_method_state(ray_cluster, settings, thr
     states = [torch.load(registry.resolve(v.version).folder / "method_state.pt", weights_only=False) for v in versions]
     client = MlflowClient(settings.mlflow_tracking_uri)
     metrics = [client.get_run(v.run_id).data.metrics for v in versions]
+
+    def peak(key):  # the largest value a term took in each task's run (0 at a task's first step: θ = θ*)
+        return [max([m.value for m in client.get_metric_history(v.run_id, key)], default=None) for v in versions]
     rows = [len(Task.load(d).check("train").rows) for d in three_tasks]
     assert registry.resolve("3").manifest["matrix"]["known"]["tasks"] == [d.name for d in three_tasks]
     assert all("sd/image_rotation_mean" in m for m in metrics[1:])  # Mod-X's diagnostics, from task 2 on
@@ -48,7 +51,7 @@ def test_a_three_task_stream_carries_the_method_state(ray_cluster, settings, thr
         state = [s[component] for s in states]
         if component in ("ewc", "mas"):
             assert [s["tasks"] for s in state] == [1, 2, 3]  # merged across jobs, not restarted
-            assert all(m["loss/penalty"] > 0 for m in metrics[1:]) and "loss/penalty" not in metrics[0]
+            assert peak("loss/penalty")[0] is None and all(p > 0 for p in peak("loss/penalty")[1:])
             totals = [sum(float(v.sum()) for v in s["importance"].values()) for s in state]
             assert all(t > 0 for t in totals)
             if component == "mas":
@@ -63,9 +66,10 @@ def test_a_three_task_stream_carries_the_method_state(ray_cluster, settings, thr
             steps = sum(int(m["train/step"]) for m in metrics)
             k = len(state[2]["queue_image"]["rows"])
             assert state[2]["queue_image"]["ptr"] == steps * 2 * 8 % k  # one queue through all three jobs
-            assert all(m["loss/topology_c"] > 0 and m["loss/topology_s"] >= 0 for m in metrics[1:])
-            assert "loss/topology_c" not in metrics[0] and all(m["loss/cmc"] > 0 for m in metrics)
+            assert peak("loss/topology_c")[0] is None and all(p > 0 for p in peak("loss/topology_c")[1:])
+            assert all(p > 0 for p in peak("loss/topology_s")[1:]) and all(p > 0 for p in peak("loss/cmc"))
         elif component in ("lwf", "modx"):
-            assert all("loss/distill" in m for m in metrics[1:]) and "loss/distill" not in metrics[0]
-            if component == "lwf":
-                assert all(m["loss/distill"] > 0 for m in metrics[1:])
+            distill = peak("loss/distill")
+            assert distill[0] is None and all(p is not None for p in distill[1:])  # from the second task on
+            if component == "lwf":  # (Mod-X's may be 0: it keeps only rows an untrained teacher gets right)
+                assert all(p > 0 for p in distill[1:])
