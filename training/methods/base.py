@@ -28,8 +28,8 @@ def forward_features(model: torch.nn.Module, image: torch.Tensor, text: torch.Te
     ZeRO 0-2 the parameters are whole on every rank, so calling the towers directly is what the engine's
     forward would do."""
     image_raw, text_raw = model.encode_image(image), model.encode_text(text)
-    # exp(logit_scale) kept in [1, 100] here (open_clip: ln s in [0, ln 100]), not by clamping the parameter after the step as open_clip does:
-    # under ZeRO 1-2 the optimizer's fp32 master copy would undo a clamp of the module's parameter
+    # exp(logit_scale) kept in [1, 100] (open_clip: ln s in [0, ln 100]) here rather than by clamping the
+    # parameter after each step as open_clip does: under ZeRO 1-2 the fp32 master copy would undo that
     return Features(F.normalize(image_raw, dim=-1), F.normalize(text_raw, dim=-1), image_raw, text_raw,
                     model.logit_scale.exp().clamp(1, 100))
 
