@@ -134,12 +134,13 @@ def train_loop(config: dict) -> None:
             if task_ctx.step % train["log_every"] == 0:
                 logger.log(task_ctx.step, {"loss": loss, **{f"loss/{k}": v for k, v in terms.items()}},
                            lr=engine.get_lr()[0], samples_per_s=seen * world / (time.perf_counter() - tic), epoch=epoch)
+        rate = seen * world / max(time.perf_counter() - tic, 1e-9)  # the steps alone, not after_task's work
         _maybe_fail(config.get("fail_once"), epoch, rank)  # dies with the epoch trained but not checkpointed
         if last:
             method.after_task(task_ctx, list(kept))
         _report_epoch(engine, method, bundle, epoch, task_ctx.step, rank,
                       {"epoch": epoch, "step": task_ctx.step, "loss": float(loss.detach()), "start_epoch": start_epoch,
-                       "samples_per_s": seen * world / max(time.perf_counter() - tic, 1e-9)})
+                       "samples_per_s": rate})
 
 
 def _report_epoch(engine, method, bundle, epoch: int, step: int, rank: int, metrics: dict) -> None:
