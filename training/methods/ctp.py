@@ -76,27 +76,35 @@ class CTP(Method):
         self.momentum_model = None
         self.queues: dict[str, Queue] = {}
         self._saved: dict = {}
+        self._tensors = None  # (M's, θt's, θ(t-1)'s parameter lists) for this task
 
     def before_task(self, ctx):
         self.momentum_model = frozen(copy.deepcopy(ctx.model))  # θ(t-1): the live model before training
         self._saved.pop("momentum", None)
+        self._tensors = None
 
     def update_momentum(self, ctx) -> None:
-        """One step of θc ← m·θc + (1−m)/2·θ(t−1) + (1−m)/2·θt (plain EMA without a teacher)."""
-        live = dict(ctx.model.named_parameters())
-        old = dict(ctx.teacher.named_parameters()) if ctx.teacher is not None else None
+        """One step of θc ← m·θc + (1−m)/2·θ(t−1) + (1−m)/2·θt (plain EMA without a teacher), as three
+        fused ops over all tensors (timm's EMA does the same): per-tensor ops cost ~10% of a CPU step."""
+        if self._tensors is None:
+            live = dict(ctx.model.named_parameters())
+            old = dict(ctx.teacher.named_parameters()) if ctx.teacher is not None else {}
+            names = [n for n, _ in self.momentum_model.named_parameters()]
+            self._tensors = ([p for _, p in self.momentum_model.named_parameters()], [live[n] for n in names],
+                             [old[n] for n in names] if old else None)
+        mine, live, old = self._tensors
         m = self.params["momentum"] if old is not None else self.params["first_task_momentum"]
         with torch.no_grad():
-            for name, p in self.momentum_model.named_parameters():
-                if old is None:
-                    p.mul_(m).add_(live[name].detach(), alpha=1 - m)
-                else:
-                    p.mul_(m).add_(live[name].detach(), alpha=(1 - m) / 2).add_(old[name], alpha=(1 - m) / 2)
+            torch._foreach_mul_(mine, m)
+            torch._foreach_add_(mine, live, alpha=(1 - m) / 2 if old else 1 - m)
+            if old is not None:
+                torch._foreach_add_(mine, old, alpha=(1 - m) / 2)
 
     def loss_terms(self, ctx, batch, feats):
         if self.momentum_model is None:  # resumed mid-task: M comes back from the checkpointed state
             self.momentum_model = frozen(copy.deepcopy(ctx.model))
             self.momentum_model.load_state_dict(self._saved.pop("momentum"))
+            self._tensors = None
         self.update_momentum(ctx)
         with torch.no_grad():
             m = forward_features(self.momentum_model, batch["image"], batch["text"])
