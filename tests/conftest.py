@@ -72,3 +72,33 @@ def register_version(settings, seed: int, alias: str | None = None, task_dirs=()
     if alias:
         registry.client.set_registered_model_alias(registry.name, alias, version)
     return version
+
+
+def _gloo_process(worker, rank: int, world: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    queue.put((rank, worker(rank, world)))
+    dist.destroy_process_group()
+
+
+def on_gloo(worker, world: int = 2) -> dict:
+    """{rank: worker(rank, world)} from `world` real processes in one gloo group. Workers return numpy
+    arrays or numbers, not tensors: a tensor crosses processes through shared memory that dies with it."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_process, args=(worker, r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return results

@@ -2,14 +2,11 @@
 loss and gradients of 1 process on the whole batch: the ranks' mean loss is the full-batch loss, and
 each rank's gradient, averaged over ranks as DeepSpeed does, is the full-batch gradient of its rows."""
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from tests.conftest import on_gloo
 from training.methods.ctp import cmc_loss, topology_losses
 from training.methods.lwf import lwf_distill
 from training.methods.modx import modx_distill
@@ -35,35 +32,21 @@ CASES = {
 }
 
 
-def _worker(rank, port, queue):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+def _worker(rank, world):
     x = _inputs()
-    rows = slice(rank * N // WORLD, (rank + 1) * N // WORLD)
+    rows = slice(rank * N // world, (rank + 1) * N // world)
     out = {}
     for name, fn in CASES.items():
         img, txt = (v[rows].clone().requires_grad_(True) for v in x[:2])
         loss = fn(img, txt, *(v[rows] for v in x[2:6]), x[6])
         loss.backward()
         out[name] = (float(loss), img.grad.numpy().copy(), txt.grad.numpy().copy())
-    queue.put((rank, out))
-    dist.destroy_process_group()
+    return out
 
 
 @pytest.fixture(scope="module")
 def two_workers():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    return results
+    return on_gloo(_worker, WORLD)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
