@@ -122,17 +122,17 @@ def methods(settings: Settings, tasks: int = 3, seed: int = 0, names: Sequence[s
     results: dict[str, dict] = {}
     for m, method in enumerate(names, 1):
         run_settings = settings.model_copy(update={"stream": f"bench-methods-{method}-s{seed}-{stamp}"})
-        registry, parent, rates, seconds, result, sd = Registry(run_settings), None, [], 0.0, None, []
+        registry, parent, steps, seconds, result, sd = Registry(run_settings), None, [], 0.0, None, []
         for t, folder in enumerate(dirs, 1):
             print(f"== method {m}/{len(names)} {method}: task {t}/{len(dirs)} {folder.name} "
                   f"(parent {parent or 'none'})", flush=True)
             result = run_task(folder, method, parent, workers, overrides, run_settings)
             parent, seconds = result.version, seconds + result.seconds
             metrics = registry.run_metrics(result.run_id)
-            rates.append(metrics.get("train/samples_per_s", math.nan))
+            steps.append(metrics.get("train/step_ms", math.nan))
             if t > 1:
                 sd.append({k: metrics.get(k, math.nan) for k in SD_COLUMNS})
-        results[method] = {"known": result.known, "unknown": result.unknown, "samples_per_s": float(np.mean(rates)),
+        results[method] = {"known": result.known, "unknown": result.unknown, "step_ms": float(np.mean(steps)),
                            "seconds": seconds, "sd": {k: float(np.nanmean([d[k] for d in sd])) for k in SD_COLUMNS}
                            if sd else {}}
         print(f"== method {m}/{len(names)} {method}: AA {result.known.average_accuracy():.1f}, "
@@ -148,11 +148,11 @@ def methods(settings: Settings, tasks: int = 3, seed: int = 0, names: Sequence[s
 def methods_report(results: dict[str, dict], out: Path, command: str, device: str, stream: str = "") -> str:
     """Write the comparison table to `out` (markdown) and AA after each task to `out` with suffix .png;
     return the markdown. `results`: method -> {"known": ResultMatrix, "unknown": ResultMatrix,
-    "samples_per_s": mean training samples/s over its tasks, "seconds": wall time of all its tasks}."""
+    "step_ms": mean time of a training step over its tasks, "seconds": wall time of all its tasks}."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     png = plot_methods(results, out.with_suffix(".png"))
-    base = results.get("finetune", {}).get("samples_per_s", math.nan)
+    base = results.get("finetune", {}).get("step_ms", math.nan)
     lines = [
         "# Continual-learning methods on one stream",
         "",
@@ -162,15 +162,16 @@ def methods_report(results: dict[str, dict], out: Path, command: str, device: st
         "",
         "Rm in percent, task-known (each query ranked within its own task) unless said; AA = mean of the last row "
         "of R, forgetting = mean over earlier tasks of (best earlier R[l][j] − final R[T][j]), BWT = mean of "
-        "R[T][j] − R[j][j]. Step time ×finetune = finetune's training samples/s ÷ the method's (same micro batch, "
-        "mean over tasks); minutes = wall time of all its task jobs.",
+        "R[T][j] − R[j][j]. Step time ×finetune = the method's mean training step (batch in hand to optimizer step "
+        "and method hooks done, last epoch of each task, mean over tasks) ÷ finetune's, same micro batch; minutes = "
+        "wall time of all its task jobs.",
         "",
         "| method | AA | forgetting | BWT | final Rm (task-unknown AA) | step time ×finetune | minutes |",
         "|---|---|---|---|---|---|---|",
     ]
     for method, r in results.items():
-        known, unknown, rate = r["known"], r["unknown"], r["samples_per_s"]
-        ratio = base / rate if math.isfinite(base) and math.isfinite(rate) and rate > 0 else math.nan
+        known, unknown, step = r["known"], r["unknown"], r["step_ms"]
+        ratio = step / base if math.isfinite(base) and math.isfinite(step) and base > 0 else math.nan
         cells = [known.average_accuracy(), known.mean_forgetting(), known.bwt(), unknown.average_accuracy()]
         lines.append(f"| {method} | " + " | ".join(f"{v:.1f}" for v in cells) +
                      f" | {'-' if math.isnan(ratio) else f'{ratio:.2f}'} | {r['seconds'] / 60:.1f} |")

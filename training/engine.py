@@ -117,10 +117,11 @@ def train_loop(config: dict) -> None:
                                            dtypes={"image": torch.float32, "text": torch.long})
         last = epoch == train["epochs"] - 1
         kept = collections.deque(maxlen=method.task_end_batches if last else 0)  # for after_task
-        tic, seen = time.perf_counter(), 0
+        tic, seen, steps, busy = time.perf_counter(), 0, 0, 0.0
         for i, batch in enumerate(batches):
             if i >= steps_per_epoch:  # equal steps on every rank, or collectives would hang
                 break
+            start = time.perf_counter()
             feats = forward_features(engine.module, batch["image"], batch["text"])
             terms = {"clip": clip_loss(feats.image, feats.text, feats.logit_scale)}
             terms.update(method.loss_terms(task_ctx, batch, feats))
@@ -128,9 +129,9 @@ def train_loop(config: dict) -> None:
             engine.backward(loss)
             engine.step()
             method.after_step(task_ctx)
+            busy += time.perf_counter() - start  # the step alone: what a method adds, without the input wait
             kept.append(batch)
-            task_ctx.step += 1
-            seen += batch["image"].shape[0]
+            task_ctx.step, steps, seen = task_ctx.step + 1, steps + 1, seen + batch["image"].shape[0]
             if task_ctx.step % train["log_every"] == 0:
                 logger.log(task_ctx.step, {"loss": loss, **{f"loss/{k}": v for k, v in terms.items()}},
                            lr=engine.get_lr()[0], samples_per_s=seen * world / (time.perf_counter() - tic), epoch=epoch)
@@ -140,7 +141,7 @@ def train_loop(config: dict) -> None:
             method.after_task(task_ctx, list(kept))
         _report_epoch(engine, method, bundle, epoch, task_ctx.step, rank,
                       {"epoch": epoch, "step": task_ctx.step, "loss": float(loss.detach()), "start_epoch": start_epoch,
-                       "samples_per_s": rate})
+                       "samples_per_s": rate, "step_ms": 1000 * busy / max(steps, 1)})
 
 
 def _report_epoch(engine, method, bundle, epoch: int, step: int, rank: int, metrics: dict) -> None:

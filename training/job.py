@@ -122,7 +122,7 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
             result = trainer.fit()
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-        mlflow.log_metrics({f"train/{k}": v for k, v in result.metrics.items() if k in ("samples_per_s", "start_epoch", "step")})
+        mlflow.log_metrics({f"train/{k}": v for k, v in result.metrics.items() if k in ("samples_per_s", "step_ms", "start_epoch", "step")})
 
         staging = Path(tempfile.mkdtemp(prefix="clipstream-version-")) / "checkpoint"  # the artifact's name
         with result.checkpoint.as_directory() as folder:
