@@ -55,19 +55,20 @@ def index_policy(settings: Settings, tasks: int = 3, seed: int = 0, method: str 
             results[policy] = evaluate_through_index(index, bundle, task_list)
         finally:
             index.close()
-    table = _markdown(results, [t.name for t in task_list], tasks, seed, method, overrides)
+    table = index_policy_report(results, [t.name for t in task_list], tasks, seed, method, overrides, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(table)
     return table
 
 
-def _markdown(results: dict, names: list[str], tasks: int, seed: int, method: str, overrides: Iterable[str]) -> str:
-    sets = " ".join(f"--set {o}" for o in overrides)
+def index_policy_report(results: dict, names: list[str], tasks: int, seed: int, method: str, overrides: Iterable[str],
+              out: Path) -> str:
+    sets = "".join(f" --set {o}" for o in overrides)
     lines = [
         "# Index policy: no-reindex vs reindex",
         "",
         f"Stream: {tasks} synthetic domain tasks (seed {seed}), `{method}`, queries from the last version. "
-        f"Reproduce: `clipstream bench index-policy --tasks {tasks} --seed {seed} --method {method} {sets}`.",
+        f"Reproduce: `clipstream bench index-policy --tasks {tasks} --seed {seed} --method {method}{sets} --out {out}`.",
         "R@K in percent; known = the query's own task's gallery, unknown = the union of all tasks' galleries.",
         "",
     ]
