@@ -55,7 +55,7 @@ def plain_pytorch(task: Task, arch: str, batch: int, epochs: int, lr: float) -> 
                         drop_last=True, num_workers=1, persistent_workers=True)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     loss_fn = ClipLoss()
-    rate, busy = 0.0, 0.0
+    rate, busy, steps = 0.0, 0.0, 0
     for _ in range(epochs):
         tic, seen, steps, busy = time.perf_counter(), 0, 0, 0.0
         for images, texts in loader:

@@ -61,8 +61,9 @@ def index_policy(settings: Settings, tasks: int = 3, seed: int = 0, method: str 
     return table
 
 
-def index_policy_report(results: dict, names: list[str], tasks: int, seed: int, method: str, overrides: Iterable[str],
-              out: Path) -> str:
+def index_policy_report(results: dict, names: list[str], tasks: int, seed: int, method: str,
+                        overrides: Iterable[str], out: Path) -> str:
+    """The markdown table of `index_policy`: per policy and mode, R@K of each task and their mean."""
     sets = "".join(f" --set {o}" for o in overrides)
     lines = [
         "# Index policy: no-reindex vs reindex",

@@ -85,7 +85,7 @@ class CTP(Method):
 
     def update_momentum(self, ctx) -> None:
         """One step of θc ← m·θc + (1−m)/2·θ(t−1) + (1−m)/2·θt (plain EMA without a teacher), as three
-        fused ops over all tensors (timm's EMA does the same): per-tensor ops cost ~10% of a CPU step."""
+        ops over all tensors at once, as timm's EMA does (on vit-tiny: 2.9 ms a step, 3.3 ms per tensor)."""
         if self._tensors is None:
             live = dict(ctx.model.named_parameters())
             old = dict(ctx.teacher.named_parameters()) if ctx.teacher is not None else {}
