@@ -34,15 +34,23 @@ from training.registry import Registry
 COLUMNS = ("i2t_R@1", "i2t_R@10", "t2i_R@1", "t2i_R@10")
 
 
+def seeded(seed: int) -> list[str]:
+    """What makes a benchmark rerun give the same numbers: `--seed` seeds the data and the training, and
+    the input is ordered (`train.deterministic`). `--set` can still override either."""
+    return [f"train.seed={seed}", "train.deterministic=true"]
+
+
 def index_policy(settings: Settings, tasks: int = 3, seed: int = 0, method: str = "finetune", workers: int = 2,
                  overrides: Iterable[str] = (), out: Path = Path("benchmarks/results/index-policy.md")) -> str:
     stream = f"bench-index-policy-s{seed}-{time.strftime('%Y%m%d%H%M%S')}"
+    overrides = list(overrides)
+    train_sets = [*seeded(seed), *overrides]
     settings = settings.model_copy(update={"stream": stream})
     dirs = synthesize(settings.data_dir / stream, tasks=tasks, seed=seed, digits=False)
     parent = None
     for folder in dirs:
         print(f"== {folder.name}: train ({method}), then index under both policies", flush=True)
-        parent = run_task(folder, method, parent, workers, overrides, settings).version
+        parent = run_task(folder, method, parent, workers, train_sets, settings).version
         for policy in POLICIES:
             index_task(settings, parent, folder, policy, index_name=f"{stream}-{policy}")
 
@@ -114,7 +122,8 @@ def methods(settings: Settings, tasks: int = 3, seed: int = 0, names: Sequence[s
     """Train the same synthetic stream (`tasks` domain tasks + digits) once per method, each in its own
     stream (MLflow experiment and registered model); write the comparison to `out` and its plot next to it."""
     overrides = list(overrides)
-    names = check_methods(names, overrides)
+    train_sets = [*seeded(seed), *overrides]
+    names = check_methods(names, train_sets)
     if tasks < 1:
         raise ValueError(f"tasks must be >= 1, got {tasks}")
     if workers < 1:
@@ -128,7 +137,7 @@ def methods(settings: Settings, tasks: int = 3, seed: int = 0, names: Sequence[s
         for t, folder in enumerate(dirs, 1):
             print(f"== method {m}/{len(names)} {method}: task {t}/{len(dirs)} {folder.name} "
                   f"(parent {parent or 'none'})", flush=True)
-            result = run_task(folder, method, parent, workers, overrides, run_settings)
+            result = run_task(folder, method, parent, workers, train_sets, run_settings)
             parent, seconds = result.version, seconds + result.seconds
             metrics = registry.run_metrics(result.run_id)
             steps.append(metrics.get("train/step_ms", math.nan))

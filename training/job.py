@@ -17,7 +17,7 @@ import numpy as np
 import ray
 import ray.data
 import torch
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from clipstream.settings import Settings
@@ -93,7 +93,10 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
     bundle = models.create(config["model"]["arch"], model_source)
     tokenizer = f"local-dir:{parent_v.folder}" if parent_v else bundle.arch
     init_ray(settings)
-    dataset = training_dataset(sources, bundle.preprocess_train, tokenizer)
+    deterministic = train_cfg["deterministic"]
+    dataset = training_dataset(sources, bundle.preprocess_train, tokenizer, seed=train_cfg["seed"] if deterministic else None)
+    ingest = DataConfig.default_ingest_options()
+    ingest.preserve_order = deterministic  # rows reach the workers in the same order on every run
 
     tags = {"task": task.name, "task_index": str(len(history)), "method": method_obj.name,
             "parent_version": parent_v.version if parent_v else "", "data_sha": current["data_sha"]}
@@ -116,7 +119,7 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
             run_config=RunConfig(name=f"{settings.stream}-{run_id}", storage_path=str(settings.runs_dir),
                                  failure_config=FailureConfig(max_failures=train_cfg["max_failures"]),
                                  checkpoint_config=CheckpointConfig(num_to_keep=1)),
-            datasets={"train": dataset},
+            datasets={"train": dataset}, dataset_config=DataConfig(execution_options=ingest),
         )
         try:
             result = trainer.fit()

@@ -2,6 +2,7 @@
 
 
 import pytest
+import torch
 from mlflow import MlflowClient
 
 from training import evaluate, models
@@ -88,6 +89,17 @@ def test_a_killed_worker_resumes_from_the_last_epoch_checkpoint(ray_cluster, set
     metrics = MlflowClient(settings.mlflow_tracking_uri).get_run(result.run_id).data.metrics
     assert metrics["train/start_epoch"] == 1  # resumed after epoch 0, did not start over
     assert result.version == "1"
+
+
+@pytest.mark.slow
+def test_deterministic_training_gives_the_same_weights_twice(ray_cluster, settings, stream):
+    runs = [run_task(stream[0], "finetune", None, workers=2, overrides=[*FAST, "train.deterministic=true"],
+                     settings=settings) for _ in range(2)]
+    registry = Registry(settings)
+    first, second = (models.load_exported(registry.resolve(r.version).folder).model.state_dict() for r in runs)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert runs[0].known.values[0, 0] == runs[1].known.values[0, 0]
 
 
 def test_a_task_too_small_for_one_step_is_refused_before_training(settings, stream):

@@ -7,12 +7,14 @@ workers, so a worker's loop only moves ready batches into the model (`get_datase
 from __future__ import annotations
 
 import io
+import zlib
 from functools import lru_cache
 from typing import Callable, Iterable
 
 import numpy as np
 import open_clip
 import ray.data
+import torch
 from PIL import Image
 
 from training import models  # noqa: F401  (registers our architectures, so their tokenizers resolve here too)
@@ -25,12 +27,15 @@ def _tokenizer(spec: str):
     return open_clip.get_tokenizer(spec)
 
 
-def _prepare(batch: dict, *, root: str, preprocess: Callable, tokenizer: str, skip_ids: frozenset) -> dict:
+def _prepare(batch: dict, *, root: str, preprocess: Callable, tokenizer: str, skip_ids: frozenset,
+             seed: int | None) -> dict:
     keep = [i for i, id_ in enumerate(batch["id"]) if str(id_) not in skip_ids]
     images = []
     for i in keep:
         data = batch["image_bytes"][i] if "image_bytes" in batch else None
         source = io.BytesIO(data) if data is not None else f"{root}/{batch['image'][i]}"
+        if seed is not None:  # the row's random crop follows from (seed, id), not from which process got it
+            torch.manual_seed(zlib.crc32(f"{seed}:{batch['id'][i]}".encode()))
         try:
             with Image.open(source) as img:
                 images.append(preprocess(img.convert("RGB")).numpy())
@@ -72,18 +77,21 @@ def _from_webdataset(batch: dict) -> dict:
 
 
 def training_dataset(tasks: Iterable[tuple[Task, Iterable[str]]], preprocess: Callable, tokenizer: str,
-                     split: str = "train") -> ray.data.Dataset:
+                     split: str = "train", seed: int | None = None) -> ray.data.Dataset:
     """Union of the given tasks' splits as `{image: float32[3,H,W], text: int64[L]}` rows.
 
-    Each entry is (task, ids to skip): the ids that checking found bad under the `skip` policy."""
+    Each entry is (task, ids to skip): the ids that checking found bad under the `skip` policy.
+    With a `seed`, the rows' augmentations and the block order are fixed by it, so that run with
+    `preserve_order` the dataset yields the same batches every time (each row is cropped the same
+    way in every epoch)."""
     parts = []
     for task, skip_ids in tasks:
         raw = read_split(task, split)
         parts.append(raw.map_batches(
             _prepare, batch_format="numpy", batch_size=64,
             fn_kwargs={"root": str(task.root), "preprocess": preprocess, "tokenizer": tokenizer,
-                       "skip_ids": frozenset(map(str, skip_ids))},
+                       "skip_ids": frozenset(map(str, skip_ids)), "seed": seed},
         ))
-    # several tasks (joint, replay): blocks in a new random order each epoch, so the workers' local
-    # shuffle buffers see every task throughout the epoch rather than one task after another
-    return parts[0] if len(parts) == 1 else parts[0].union(*parts[1:]).randomize_block_order()
+    # several tasks (joint, replay): blocks in a random order (a new one each epoch unless seeded), so the
+    # workers' local shuffle buffers see every task throughout the epoch rather than one task after another
+    return parts[0] if len(parts) == 1 else parts[0].union(*parts[1:]).randomize_block_order(seed=seed)

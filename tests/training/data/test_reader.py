@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import open_clip
 import pytest
+import ray.data
 import yaml
 from PIL import Image
 
@@ -179,3 +180,28 @@ def test_read_split_unknown_split(ray_cluster, tmp_path):
     task = Task.load(make_task(tmp_path / "a", 2, "alpha"))
     with pytest.raises(DataError, match="'test'"):
         read_split(task, "test")
+
+
+@pytest.fixture
+def ordered():
+    """Ray Data's preserve_order for this test's executions, as the training job sets it when deterministic."""
+    options = ray.data.DataContext.get_current().execution_options
+    before, options.preserve_order = options.preserve_order, True
+    yield
+    options.preserve_order = before
+
+
+def test_a_seed_fixes_the_augmented_rows_and_their_order(ray_cluster, tmp_path, bundle, ordered):
+    a = Task.load(make_task(tmp_path / "a", 7, "alpha"))
+    b = Task.load(make_task(tmp_path / "b", 5, "beta", fmt="csv"))
+
+    def rows(seed):
+        got = collect(training_dataset([(a, ()), (b, ())], bundle.preprocess_train, ARCH, seed=seed))
+        return [(tuple(np.asarray(r["text"]).tolist()), np.asarray(r["image"])) for r in got]
+
+    first, again, other = rows(7), rows(7), rows(8)
+    assert len(first) == 12
+    assert [t for t, _ in first] == [t for t, _ in again]  # the same rows in the same order
+    assert all(np.array_equal(x, y) for (_, x), (_, y) in zip(first, again))  # cropped the same way
+    crops = dict(other)
+    assert any(not np.array_equal(image, crops[t]) for t, image in first)  # another seed, other crops
