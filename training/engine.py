@@ -68,6 +68,19 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
 
 
+def train_step(engine, method, task_ctx: TaskContext, batch: dict) -> tuple[torch.Tensor, dict]:
+    """The whole step: CLIP loss over the gathered batch plus the method's terms, backward, optimizer
+    step, the method's after-step hook (e.g. CTP's momentum update). Returns the loss and its terms."""
+    feats = forward_features(engine.module, batch["image"], batch["text"])
+    terms = {"clip": clip_loss(feats.image, feats.text, feats.logit_scale)}
+    terms.update(method.loss_terms(task_ctx, batch, feats))
+    loss = sum(terms.values())
+    engine.backward(loss)
+    engine.step()
+    method.after_step(task_ctx)
+    return loss, terms
+
+
 def train_loop(config: dict) -> None:
     """`TorchTrainer` entry point. `config`: the resolved preset plus `model_source`, `parent_state`,
     `steps_per_epoch`, `task_index`, `tracking` (MLflow URI and run id for live metrics)."""
@@ -122,13 +135,7 @@ def train_loop(config: dict) -> None:
             if i >= steps_per_epoch:  # equal steps on every rank, or collectives would hang
                 break
             start = time.perf_counter()
-            feats = forward_features(engine.module, batch["image"], batch["text"])
-            terms = {"clip": clip_loss(feats.image, feats.text, feats.logit_scale)}
-            terms.update(method.loss_terms(task_ctx, batch, feats))
-            loss = sum(terms.values())
-            engine.backward(loss)
-            engine.step()
-            method.after_step(task_ctx)
+            loss, terms = train_step(engine, method, task_ctx, batch)
             busy += time.perf_counter() - start  # the step alone: what a method adds, without the input wait
             kept.append(batch)
             task_ctx.step, steps, seen = task_ctx.step + 1, steps + 1, seen + batch["image"].shape[0]

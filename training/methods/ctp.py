@@ -101,7 +101,7 @@ class CTP(Method):
         if self.momentum_model is None:  # resumed mid-task: M comes back from the checkpointed state
             self.momentum_model = frozen(copy.deepcopy(ctx.model))
             self.momentum_model.load_state_dict(self._saved.pop("momentum"))
-            self.update_momentum(ctx)
+        self.update_momentum(ctx)  # every step, before M's forward
         with torch.no_grad():
             m = forward_features(self.momentum_model, batch["image"], batch["text"])
         q_img, q_txt = self._queue("image", feats), self._queue("text", feats)

@@ -163,6 +163,28 @@ def test_compatible_momentum_model_is_the_midpoint_of_the_old_model_and_an_ema()
     assert torch.allclose(first.momentum_model.weight, 0.5 * start["weight"] + 0.5 * live.weight)
 
 
+def test_each_step_through_the_engines_hooks_moves_the_momentum_model(pair):
+    """The same rule, driven as the engine drives it (loss_terms, after_step), on a real tiny CLIP."""
+    _, teacher, batch = pair
+    live = copy.deepcopy(teacher).requires_grad_(True)  # a task starts from θ(t-1)
+    m = 0.9
+    ctp = build(resolve("ctp", [f"method.ctp.momentum={m}"])).components[0]
+    ctx = _ctx(live, teacher)
+    ctp.before_task(ctx)
+    ema = {k: v.detach().clone() for k, v in teacher.named_parameters()}
+    for step in range(3):
+        with torch.no_grad():
+            for p in live.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        for k, v in live.named_parameters():
+            ema[k] = m * ema[k] + (1 - m) * v.detach()
+        ctp.loss_terms(ctx, batch, forward_features(live, batch["image"], batch["text"]))
+        ctp.after_step(ctx)
+    old = dict(teacher.named_parameters())
+    for k, v in ctp.momentum_model.named_parameters():
+        assert torch.allclose(v, (old[k] + ema[k]) / 2, atol=1e-5), k
+
+
 def test_queue_is_a_fifo_of_fixed_length():
     q = Queue(6, 4, "cpu")
     assert q.rows.shape == (6, 4) and torch.allclose(q.rows.norm(dim=1), torch.ones(6))
