@@ -40,7 +40,7 @@ METHODS = "finetune,joint,ewc,mas,lwf,er,modx,ctp,ctp_er"
 def batches(task: Task, bundle, size: int, count: int) -> list[dict]:
     """`count` batches of the task's first rows, preprocessed as the evaluation does (no random crop)."""
     rows = task.check("train").rows[: size * count]
-    images, texts = [], []
+    images = []
     for row in rows:
         with Image.open(task.root / row["image"]) as img:
             images.append(bundle.preprocess_val(img.convert("RGB")))
