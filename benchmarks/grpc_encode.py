@@ -1,12 +1,12 @@
 """gRPC encoding through the Ray Serve app vs the same model called in-process, under concurrency,
 measured side by side in one run.
 
-    python benchmarks/grpc_encode.py [--clients 8] [--per-request 8] [--requests 64] [--rounds 3]
+    clipstream bench grpc-encode [--clients 8] [--per-request 8] [--requests 128] [--rounds 3]
 
 Both sides get the same workload: `--clients` threads, each sending requests of `--per-request` items
 (texts, or PNG bytes that are decoded and preprocessed on both sides) until `--requests` are done. The
 in-process side calls the model directly from those threads (the best a user embedding the library
-gets without writing a batcher); the gRPC side goes client → Serve proxy → Search ingress → Encoder
+gets without writing a batcher); the gRPC side goes client → Serve proxy → the Encoder ingress
 (@serve.batch) and back. Both use every core: the Encoder replica reserves them all. Sides alternate
 for `--rounds` rounds; medians are compared. Writes benchmarks/results/grpc-encode.md.
 """
@@ -17,25 +17,24 @@ import argparse
 import io
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Sequence
 
-import mlflow
 import numpy as np
 import torch
 from PIL import Image
 
+from clipstream import models
+from clipstream.benchmarks import report
+from clipstream.registry import MANIFEST, PRODUCTION, Registry
+from clipstream.services import app
+from clipstream.services.client import Client
 from clipstream.settings import Settings
-from services import app
-from services.client import Client
-from services.versions import VersionStore
-from training import models
-from training.job import init_ray
-from training.registry import MANIFEST, Registry
+from clipstream.training.job import init_ray
 
 
 def register(settings: Settings, arch: str) -> str:
@@ -48,7 +47,7 @@ def register(settings: Settings, arch: str) -> str:
     registry = Registry(settings)
     with registry.run("bench-grpc-encode", {}):
         version = registry.register(folder, {"task": "bench", "task_index": 0, "method": "none"})
-    registry.client.set_registered_model_alias(registry.name, "production", version)
+    registry.set_alias(PRODUCTION, version)
     return version
 
 
@@ -78,33 +77,28 @@ def run_concurrently(fn, requests: list[list], clients: int) -> float:
 
 
 def in_process(bundle, modality: str):
-    def encode(items: list):
-        with torch.no_grad():
-            if modality == "text":
-                return bundle.model.encode_text(bundle.tokenizer(items), normalize=True).numpy()
-            pixels = [bundle.preprocess_val(Image.open(io.BytesIO(b)).convert("RGB")) for b in items]
-            return bundle.model.encode_image(torch.stack(pixels), normalize=True).numpy()
-    return encode
+    """The in-process side: the model bundle's own embed path, as the Encoder runs it."""
+    embed = bundle.embed_texts if modality == "text" else bundle.embed_images
+    return lambda items: embed(items, batch_size=len(items))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--per-request", type=int, default=8)
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--arch", default="clipstream-vit-small")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "grpc-encode.md"))
-    args = p.parse_args()
+    p.add_argument("--out", default=str(report.RESULTS / "grpc-encode.md"))
+    args = p.parse_args(argv)
     cpus = os.cpu_count()
     torch.set_num_threads(cpus)
 
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings(home=Path(tmp) / "home", serve_encoder_cpus=cpus, serve_search_cpus=0,
                             serve_batch_size=args.clients, serve_max_items=max(256, args.per_request)).ensure_dirs()
-        mlflow.set_tracking_uri(settings.mlflow_tracking_uri)
         version = register(settings, args.arch)
-        bundle = VersionStore(settings.mlflow_tracking_uri, settings.stream, settings.home / "cache").load(version)
+        bundle = Registry(settings).load(version)
         app.serving_environment()
         init_ray(settings, num_cpus=cpus)
         app.start(settings)
@@ -122,20 +116,18 @@ def main() -> None:
                           flush=True)
                 rows.append((modality, statistics.median(local), statistics.median(served), local, served))
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else \
-        f"CPU ({platform.processor() or platform.machine()}, {cpus} cores)"
-    table = (f"# gRPC encoding vs in-process, {args.arch}, {args.clients} concurrent clients × {args.per_request} "
-             f"items per request, {args.requests} requests per round\n\n"
-             f"Device: {device}. Command: `python benchmarks/grpc_encode.py --clients {args.clients} --per-request "
-             f"{args.per_request} --requests {args.requests} --rounds {args.rounds} --arch {args.arch}`\n\n"
-             "| modality | in-process items/s (median) | gRPC items/s (median) | rounds in-process | rounds gRPC | ratio |\n"
-             "|---|---|---|---|---|---|\n")
-    table += "".join(f"| {m} | {a:.1f} | {b:.1f} | {', '.join(f'{x:.0f}' for x in la)} | "
-                     f"{', '.join(f'{x:.0f}' for x in lb)} | {b / a:.2f} |\n" for m, a, b, la, lb in rows)
-    print(table)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(table)
+    text = report.write(args.out, [
+        f"# gRPC encoding vs in-process, {args.arch}, {args.clients} concurrent clients × {args.per_request} "
+        f"items per request, {args.requests} requests per round", "",
+        f"Device: {report.device()}. Command: `clipstream bench grpc-encode --clients {args.clients} --per-request "
+        f"{args.per_request} --requests {args.requests} --rounds {args.rounds} --arch {args.arch}`", "",
+        *report.table(["modality", "in-process items/s (median)", "gRPC items/s (median)", "rounds in-process",
+                       "rounds gRPC", "ratio"],
+                      [[m, a, b, ", ".join(f"{x:.0f}" for x in la), ", ".join(f"{x:.0f}" for x in lb), f"{b / a:.2f}"]
+                       for m, a, b, la, lb in rows])])
+    print(text)
     print(json.dumps({m: {"in_process": a, "grpc": b, "ratio": b / a} for m, a, b, _, _ in rows}))
+    return text
 
 
 if __name__ == "__main__":

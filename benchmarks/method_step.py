@@ -1,10 +1,10 @@
 """Each method's training step against finetune's, timed side by side in one process on the same batches.
 
-    python benchmarks/method_step.py [--methods finetune,ewc,...] [--steps 10] [--rounds 5] [--batch 32]
+    clipstream bench method-step [--methods finetune,ewc,...] [--steps 10] [--rounds 5] [--batch 32]
 
 The methods table (`clipstream bench methods`) times the step inside task jobs, where two workers share
 two cores with Ray Data's tasks, and a method's step varies by ±15% from task to task. Here every
-method runs the engine's own step (`training.engine.train_step`) on its own DeepSpeed engine with one
+method runs the engine's own step (`clipstream.training.engine.train_step`) on its own DeepSpeed engine with one
 thread, as one of the job's workers does, in the state of a second task: its first task's state
 (importances, replay buffer, queues) in place and θ(t−1) as the teacher. The methods take turns for
 `--rounds` rounds; each method's median over rounds of its mean step is compared with finetune's.
@@ -17,33 +17,29 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 import deepspeed
 import torch
-from PIL import Image
 
-from training import methods, models
-from training.data.synth import synthesize
-from training.data.task import Task
-from training.engine import deepspeed_config, param_groups, train_step
-from training.methods.base import TaskContext, frozen
-from training.methods.config import resolve
-
-METHODS = "finetune,joint,ewc,mas,lwf,er,modx,ctp,ctp_er"
+from clipstream import models
+from clipstream.benchmarks import report
+from clipstream.training import methods
+from clipstream.training.data.synth import synthesize
+from clipstream.training.data.task import Task
+from clipstream.training.engine import deepspeed_config, param_groups, prepare_for_deepspeed, train_step
+from clipstream.training.methods.base import TaskContext, frozen
+from clipstream.training.methods.config import method_presets, resolve
 
 
 def batches(task: Task, bundle, size: int, count: int) -> list[dict]:
     """`count` batches of the task's first rows, preprocessed as the evaluation does (no random crop)."""
     rows = task.check("train").rows[: size * count]
-    images = []
-    for row in rows:
-        with Image.open(task.root / row["image"]) as img:
-            images.append(bundle.preprocess_val(img.convert("RGB")))
+    images = [bundle.preprocess_val(models.load_image(task.image(row))) for row in rows]
     texts = bundle.tokenizer([row["caption"] for row in rows])
     return [{"image": torch.stack(images[i:i + size]), "text": texts[i:i + size]} for i in range(0, len(rows), size)]
 
@@ -53,7 +49,7 @@ def second_task(name: str, task: Task, data: list[dict], batch: int):
     config = resolve(name, [f"train.micro_batch={batch}"])
     train = config["train"]
     torch.manual_seed(0)
-    model = models.prepare_for_deepspeed(models.create(config["model"]["arch"]).model)
+    model = prepare_for_deepspeed(models.create(config["model"]["arch"]).model)
     method = methods.build(config)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, train["weight_decay"]),
                                       config=deepspeed_config(train, 1, 10**6))
@@ -78,15 +74,15 @@ def timed(engine, method, ctx, data: list[dict], steps: int) -> float:
     return 1000 * (time.perf_counter() - tic) / steps
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--methods", default=METHODS)
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    parser.add_argument("--methods", default=",".join(method_presets()), help="comma-separated presets (default: all)")
     parser.add_argument("--steps", type=int, default=10, help="steps per method per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a job's CPU worker has 1 of 2 cores)")
-    parser.add_argument("--out", default="benchmarks/results/method-step.md")
-    args = parser.parse_args()
+    parser.add_argument("--out", default=str(report.RESULTS / "method-step.md"))
+    args = parser.parse_args(argv)
     names = args.methods.split(",")
     if "finetune" not in names:
         parser.error("--methods must include finetune, the baseline")
@@ -112,26 +108,21 @@ def main() -> None:
 
     median = {name: statistics.median(v) for name, v in per_round.items()}
     base = median["finetune"]
-    device = f"CPU ({platform.machine()}, {os.cpu_count()} cores), {args.threads} torch thread(s)"
-    lines = [
+    text = report.write(args.out, [
         "# Training step per method, side by side",
         "",
-        f"Reproduce: `python benchmarks/method_step.py --methods {args.methods} --steps {args.steps} "
+        f"Reproduce: `clipstream bench method-step --methods {args.methods} --steps {args.steps} "
         f"--rounds {args.rounds} --batch {args.batch} --threads {args.threads}`",
         "",
-        f"Device: {device}. Model `{arch}`, micro batch {args.batch}, one DeepSpeed engine per method, "
-        "each in the state of its second task; the median over rounds of each method's mean step.",
+        f"Device: {report.device(f'{args.threads} torch thread(s)')}. Model `{arch}`, micro batch {args.batch}, one "
+        "DeepSpeed engine per method, each in the state of its second task; the median over rounds of each method's "
+        "mean step.",
         "",
-        "| method | step ms | ×finetune | rounds (ms) |",
-        "|---|---|---|---|",
-    ]
-    for name in names:
-        rounds = ", ".join(f"{v:.0f}" for v in per_round[name])
-        lines.append(f"| {name} | {median[name]:.1f} | {median[name] / base:.2f} | {rounds} |")
-    table = "\n".join(lines) + "\n"
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(table)
-    print(table)
+        *report.table(["method", "step ms", "×finetune", "rounds (ms)"],
+                      [[name, median[name], f"{median[name] / base:.2f}", ", ".join(f"{v:.0f}" for v in per_round[name])]
+                       for name in names])])
+    print(text)
+    return text
 
 
 if __name__ == "__main__":

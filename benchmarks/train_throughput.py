@@ -1,7 +1,7 @@
 """Training throughput: clipstream's task job (Ray Data → Ray Train → DeepSpeed) vs a plain PyTorch
 open_clip loop on the same data, model, batch size and optimizer, measured side by side in one run.
 
-    python benchmarks/train_throughput.py [--pairs 2000] [--epochs 3] [--batch 32] [--rounds 2]
+    clipstream bench train-throughput [--pairs 2000] [--epochs 3] [--batch 32] [--rounds 2]
 
 Each side reports steady-state samples/s of its last epoch (the first epochs carry start-up: Ray
 Data planning, DeepSpeed op builds, DataLoader worker spawn); the two alternate for `--rounds` rounds
@@ -13,36 +13,35 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from open_clip.loss import ClipLoss
-from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+from clipstream import models
+from clipstream.benchmarks import report
+from clipstream.registry import Registry
 from clipstream.settings import Settings
-from training import models
-from training.data.synth import synthesize
-from training.data.task import Task
-from training.job import run_task
-from training.registry import Registry
+from clipstream.training.data.synth import synthesize
+from clipstream.training.data.task import Task
+from clipstream.training.job import run_task
 
 
 class Pairs(Dataset):
     def __init__(self, task: Task, preprocess, tokenizer):
-        self.rows, self.root, self.preprocess, self.tokenizer = task.check("train").rows, task.root, preprocess, tokenizer
+        self.task, self.rows, self.preprocess, self.tokenizer = task, task.check("train").rows, preprocess, tokenizer
 
     def __len__(self):
         return len(self.rows)
 
     def __getitem__(self, i):
         row = self.rows[i]
-        with Image.open(self.root / row["image"]) as img:
-            return self.preprocess(img.convert("RGB")), self.tokenizer([row["caption"]])[0]
+        return self.preprocess(models.load_image(self.task.image(row))), self.tokenizer([row["caption"]])[0]
 
 
 def plain_pytorch(task: Task, arch: str, batch: int, epochs: int, lr: float) -> tuple[float, float]:
@@ -82,15 +81,15 @@ def clipstream_job(task_dir: Path, arch: str, batch: int, epochs: int, lr: float
     return metrics["train/samples_per_s"], metrics["train/step_ms"]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=2000)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--arch", default="clipstream-vit-tiny")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "train-throughput.md"))
-    args = p.parse_args()
+    p.add_argument("--out", default=str(report.RESULTS / "train-throughput.md"))
+    args = p.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
         task_dir = synthesize(Path(tmp) / "data", tasks=1, seed=0, train_pairs=args.pairs, test_per_task=32, digits=False)[0]
@@ -103,24 +102,22 @@ def main() -> None:
         plain, ours = statistics.median(plains), statistics.median(oursl)
         plain_step, our_step = statistics.median(s for _, s in plain_runs), statistics.median(s for _, s in our_runs)
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-    table = (
-        f"# Training throughput, {args.arch}, batch {args.batch}, {args.pairs} pairs, last of {args.epochs} epochs\n\n"
-        f"Device: {device}. Command: `python benchmarks/train_throughput.py --pairs {args.pairs} --epochs {args.epochs} "
-        f"--batch {args.batch} --arch {args.arch} --rounds {args.rounds}`\n\n"
-        "Step = batch in hand to optimizer step done; the rest of each step's share of the epoch is waiting "
-        "for input.\n\n"
-        "| loop | samples/s (median) | rounds | ratio | step ms (median) | waiting for input |\n|---|---|---|---|---|---|\n"
-        f"| plain PyTorch (DataLoader + AdamW + ClipLoss, 1 process) | {plain:.1f} | {', '.join(f'{v:.0f}' for v in plains)} | 1.00 "
-        f"| {plain_step:.1f} | {_waiting(plain, plain_step, args.batch)} |\n"
-        f"| clipstream (Ray Data → Ray Train, 1 DeepSpeed worker) | {ours:.1f} | {', '.join(f'{v:.0f}' for v in oursl)} | {ours / plain:.2f} "
-        f"| {our_step:.1f} | {_waiting(ours, our_step, args.batch)} |\n"
-    )
-    print(table)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(table)
+    text = report.write(args.out, [
+        f"# Training throughput, {args.arch}, batch {args.batch}, {args.pairs} pairs, last of {args.epochs} epochs", "",
+        f"Device: {report.device(f'{torch.get_num_threads()} torch threads')}. Command: `clipstream bench "
+        f"train-throughput --pairs {args.pairs} --epochs {args.epochs} --batch {args.batch} --arch {args.arch} "
+        f"--rounds {args.rounds}`", "",
+        "Step = batch in hand to optimizer step done; the rest of each step's share of the epoch is waiting for input.",
+        "",
+        *report.table(["loop", "samples/s (median)", "rounds", "ratio", "step ms (median)", "waiting for input"], [
+            ["plain PyTorch (DataLoader + AdamW + ClipLoss, 1 process)", plain, ", ".join(f"{v:.0f}" for v in plains),
+             "1.00", plain_step, _waiting(plain, plain_step, args.batch)],
+            ["clipstream (Ray Data → Ray Train, 1 DeepSpeed worker)", ours, ", ".join(f"{v:.0f}" for v in oursl),
+             f"{ours / plain:.2f}", our_step, _waiting(ours, our_step, args.batch)]])])
+    print(text)
     print(json.dumps({"plain": plain, "clipstream": ours, "ratio": ours / plain, "plain_step_ms": plain_step,
                       "clipstream_step_ms": our_step}))
+    return text
 
 
 def _waiting(rate: float, step_ms: float, batch: int) -> str:

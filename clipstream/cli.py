@@ -11,7 +11,7 @@ from clipstream.settings import Settings
 
 
 def _synth(args) -> None:
-    from training.data.synth import synthesize
+    from clipstream.training.data.synth import synthesize
 
     dirs = synthesize(args.out, tasks=args.tasks, seed=args.seed, image_size=args.image_size,
                       train_pairs=args.train_pairs, test_per_task=args.test_per_task, digits=not args.no_digits)
@@ -20,7 +20,7 @@ def _synth(args) -> None:
 
 
 def _check(args) -> None:
-    from training.data.task import Task
+    from clipstream.training.data.task import Task
 
     task = Task.load(args.task)
     for split in task.splits:
@@ -31,7 +31,7 @@ def _check(args) -> None:
 
 
 def _train(args) -> None:
-    from training.job import run_task
+    from clipstream.training.job import run_task
 
     result = run_task(args.task, args.method, args.parent, args.workers, args.set, Settings())
     _print_result(result)
@@ -46,27 +46,25 @@ def _print_result(result) -> None:
 
 
 def _eval(args) -> None:
-    from training import evaluate, models
-    from training.data.task import Task
-    from training.registry import Registry
+    from clipstream import models
+    from clipstream.registry import Registry
+    from clipstream.training import evaluate
+    from clipstream.training.data.task import Task
 
     settings = Settings()
     version = Registry(settings).resolve(args.version)
     bundle = models.load_exported(version.folder)
     tasks = [Task.load(p) for p in args.task] or [Task.load(e["path"]) for e in version.lineage]
     if args.through_index:
+        from clipstream.index import open_index
         from clipstream.indexing import evaluate_through_index
-        from services.index import open_index
 
-        index = open_index(settings)
-        try:
+        with open_index(settings) as index:
             indexed = set(index.state()["tasks"])
             missing = [t.name for t in tasks if t.name not in indexed]
             if missing:
                 raise ValueError(f"tasks {missing} are not indexed; run `clipstream index` for them first")
             scores = evaluate_through_index(index, bundle, tasks)
-        finally:
-            index.close()
     else:
         scores = evaluate.evaluate_seen([evaluate.embed_task(bundle, t) for t in tasks])
     source = "through the index" if args.through_index else "in memory"
@@ -84,21 +82,19 @@ def _index(args) -> None:
               f"{entry['counts']['text']} texts")
 
 
-def _bench_index_policy(args) -> None:
-    from clipstream.bench import index_policy
+def _bench(args) -> None:
+    """Hand the rest of the command line to the benchmark's own script (`benchmarks/MODULE.py`)."""
+    import importlib
 
-    print(index_policy(Settings(), args.tasks, args.seed, args.method, args.workers, args.set, Path(args.out)))
+    from clipstream.benchmarks import BENCHMARKS
 
-
-def _bench_methods(args) -> None:
-    from clipstream.bench import methods
-
-    print(methods(Settings(), args.tasks, args.seed, args.methods.split(","), args.workers, args.set, Path(args.out)))
+    module = importlib.import_module(f"clipstream.benchmarks.{BENCHMARKS[args.benchmark]}")
+    module.main(args.options, prog=f"clipstream bench {args.benchmark}")
 
 
 def _serve(args) -> None:
-    from services import app
-    from training.job import init_ray
+    from clipstream.services import app
+    from clipstream.training.job import init_ray
 
     settings = Settings(**({"serve_replicas": args.replicas} if args.replicas else {}))
     app.serving_environment()
@@ -114,7 +110,7 @@ def _serve(args) -> None:
 
 
 def _client(args):
-    from services.client import Client
+    from clipstream.services.client import Client
 
     settings = Settings()
     return Client(args.address or f"127.0.0.1:{settings.grpc_port}", api_key=settings.api_key)
@@ -169,7 +165,7 @@ def format_hits(hits: list[dict], query, task) -> str:
 
 
 def _runs(args) -> None:
-    from training.registry import Registry
+    from clipstream.registry import Registry
 
     registry = Registry(Settings())
     versions = registry.versions()
@@ -227,12 +223,12 @@ def _history(args) -> None:
 
 
 def _demo(args) -> None:
-    from training.data.synth import synthesize
-    from training.job import run_task
+    from clipstream.training.data.synth import synthesize
+    from clipstream.training.job import run_task
 
     settings = Settings()
     if not args.no_serve:
-        from services.app import serving_environment
+        from clipstream.services.app import serving_environment
 
         serving_environment()  # before the training jobs start Ray: Serve reads it when its processes start
     out = Path(args.out or settings.data_dir / f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -255,9 +251,9 @@ def _demo_serve(settings: Settings, version: str, dirs: list[Path]) -> None:
     from ray import serve
 
     from clipstream.promotion import promote
-    from services import app
-    from services.client import Client
-    from training.data.task import Task
+    from clipstream.services import app
+    from clipstream.services.client import Client
+    from clipstream.training.data.task import Task
 
     print(f"\n== promote v{version}: index its gallery ({settings.index_policy}), then move alias production "
           "(--force for the demo: a gate that fails is shown, not enforced)")
@@ -278,6 +274,9 @@ def _demo_serve(settings: Settings, version: str, dirs: list[Path]) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    from clipstream.index import POLICIES
+    from clipstream.training.methods.config import method_presets
+
     p = argparse.ArgumentParser(prog="clipstream", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -298,7 +297,7 @@ def parser() -> argparse.ArgumentParser:
 
     def training_args(q, method: bool = True):
         if method:
-            q.add_argument("--method", default="finetune", help="a preset of training/methods/presets.yaml")
+            q.add_argument("--method", default="finetune", help=f"a method preset: {', '.join(method_presets())}")
         q.add_argument("--workers", type=int, default=2, help="Ray Train workers")
         q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a preset value, e.g. train.epochs=2")
 
@@ -318,7 +317,7 @@ def parser() -> argparse.ArgumentParser:
     ix = sub.add_parser("index", help="embed a task's gallery with a version and store it in the vector index")
     ix.add_argument("--version", required=True, help="models:/STREAM@ALIAS, an alias or a version number")
     ix.add_argument("--task", required=True)
-    ix.add_argument("--policy", choices=("no-reindex", "reindex"), default="no-reindex")
+    ix.add_argument("--policy", choices=POLICIES, default="no-reindex")
     ix.add_argument("--split", default="test")
     ix.set_defaults(func=_index)
 
@@ -355,22 +354,13 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--address")
     st.set_defaults(func=_status)
 
-    bench = sub.add_parser("bench", help="reproducible experiments").add_subparsers(dest="bench_command", required=True)
-    policy = bench.add_parser("index-policy", help="no-reindex vs reindex on a synthetic stream")
-    policy.add_argument("--tasks", type=int, default=3)
-    policy.add_argument("--seed", type=int, default=0)
-    policy.add_argument("--out", default="benchmarks/results/index-policy.md")
-    training_args(policy)
-    policy.set_defaults(func=_bench_index_policy)
-    compare = bench.add_parser("methods", help="every method on the same synthetic stream: AA, forgetting, BWT, cost")
-    compare.add_argument("--tasks", type=int, default=3, help="domain tasks (the digits task is added last)")
-    compare.add_argument("--seed", type=int, default=0)
-    compare.add_argument("--methods", default="finetune,joint,ewc,mas,lwf,er,modx,ctp,ctp_er",
-                         help="comma-separated presets of training/methods/presets.yaml, one stream each")
-    compare.add_argument("--out", default="benchmarks/results/methods.md",
-                         help="the markdown; the plot goes next to it (.png)")
-    training_args(compare, method=False)
-    compare.set_defaults(func=_bench_methods)
+    from clipstream.benchmarks import BENCHMARKS
+
+    bench = sub.add_parser("bench", help="reproducible benchmarks (scripts under benchmarks/; results in benchmarks/results/)",
+                           description="Run a benchmark; `clipstream bench NAME --help` lists its options.")
+    bench.add_argument("benchmark", choices=list(BENCHMARKS), metavar="NAME", help=", ".join(BENCHMARKS))
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    bench.set_defaults(func=_bench)
 
     demo = sub.add_parser("demo", help="synthesise a stream, train it task by task, show the R matrix")
     demo.add_argument("--out")
@@ -384,8 +374,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from training.data.task import DataError
-    from training.registry import RegistryError
+    from clipstream.training.data.task import DataError
+    from clipstream.registry import RegistryError
 
     import grpc
 

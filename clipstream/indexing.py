@@ -1,31 +1,28 @@
-"""The indexing job and evaluation through the index: registered versions (training) meet the vector
-index (services) here, the one place that may import both.
+"""The indexing job: a registered version's galleries into the vector index, and evaluation through it.
+It joins the registry and the index (ground floor) with the task data (training), so it stands on top.
 
-`index_task` embeds a task's gallery with a model version as a Ray Data batch-inference job (the model
-loaded once per actor) and stores it under the no-reindex or reindex policy; `evaluate_through_index`
-scores retrieval by querying the stored vectors, so the no-reindex policy (old vectors from old
-versions, queries from the latest) can be measured with the same R@K as the in-memory evaluator.
+`index_task` embeds one task's gallery with a version as a Ray Data batch-inference job (the model loaded
+once per actor) and stores it under the no-reindex or reindex policy; `put_lineage` makes the index hold
+every task a version was trained through (what promotion needs); `evaluate_through_index` scores retrieval
+by querying the stored vectors, so the no-reindex policy (old vectors from old versions, queries from the
+latest) can be measured with the same R@K as the in-memory evaluator.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Optional
 
 import numpy as np
 import ray.data
-import torch
-from PIL import Image
 
+from clipstream import models
+from clipstream.index import POLICIES, Policy, TaskVectors, VectorIndex, open_index
+from clipstream.registry import Registry, Version
 from clipstream.settings import Settings
-from services.index import TaskVectors, VectorIndex, open_index
-from training import evaluate, models
-from training.data.reader import read_split
-from training.data.task import DataError, Task
-from training.registry import Registry, Version
-
-Policy = Literal["no-reindex", "reindex"]
-POLICIES = ("no-reindex", "reindex")
+from clipstream.training import evaluate
+from clipstream.training.data.reader import batch_image, read_split
+from clipstream.training.data.task import DataError, Task
 
 
 class _Embedder:
@@ -33,23 +30,13 @@ class _Embedder:
 
     def __init__(self, folder: str, root: str, images: bool = True):
         self.bundle = models.load_exported(folder)
-        self.bundle.model.eval()
         self.root, self.images = root, images
 
     def __call__(self, batch: dict) -> dict:
-        import io
-
-        captions = [str(c) for c in batch["caption"]]
-        out = {"id": np.asarray([str(i) for i in batch["id"]])}
-        with torch.no_grad():
-            out["text_vec"] = self.bundle.model.encode_text(self.bundle.tokenizer(captions), normalize=True).float().numpy()
-            if self.images:
-                pixels = []
-                for i in range(len(captions)):
-                    data = batch["image_bytes"][i] if "image_bytes" in batch else None
-                    with Image.open(io.BytesIO(data) if data is not None else f"{self.root}/{batch['image'][i]}") as img:
-                        pixels.append(self.bundle.preprocess_val(img.convert("RGB")))
-                out["image_vec"] = self.bundle.model.encode_image(torch.stack(pixels), normalize=True).float().numpy()
+        out = {"id": np.asarray([str(i) for i in batch["id"]]),
+               "text_vec": self.bundle.embed_texts([str(c) for c in batch["caption"]])}
+        if self.images:
+            out["image_vec"] = self.bundle.embed_images([batch_image(batch, i, self.root) for i in range(len(batch["id"]))])
         return out
 
 
@@ -73,55 +60,54 @@ def embed_gallery(version: Version, task: Task, task_index: int, split: str = "t
 
 def index_task(settings: Settings, version_ref: str, task_dir: str | Path, policy: Policy = "no-reindex",
                split: str = "test", index_name: Optional[str] = None) -> dict:
-    """Index task `task_dir` with version `version_ref` under `policy`; returns the index state."""
+    """Index task `task_dir` with version `version_ref` under `policy`; returns the index state.
+    no-reindex appends the task; reindex re-embeds every indexed task and this one under the version."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     registry = Registry(settings)
     version = registry.resolve(version_ref)
     task = Task.load(task_dir)
-    lineage = {e["task"]: (i, e) for i, e in enumerate(version.lineage)}
+    lineage = _lineage(version)
     if task.name not in lineage:
         raise ValueError(f"version {version.version} was not trained through task {task.name!r} "
                          f"(its tasks: {', '.join(lineage)}); index a task with a version that has seen it")
-    index = open_index(settings, index_name)
-    index.progress = True
-    try:
+    with open_index(settings, index_name) as index:
+        index.progress = True
         if policy == "no-reindex":
             state = index.append(embed_gallery(version, task, lineage[task.name][0], split))
         else:
-            state = index.reindex([_vectors_for_reindex(index, version, name, lineage, split)
-                                   for name in _reindex_tasks(index, task.name, lineage)])
-    finally:
-        index.close()
-    return record_index_state(registry, version.version, state, policy)
+            names = list(index.state()["tasks"]) + [task.name]
+            unknown = [n for n in names if n not in lineage]
+            if unknown:
+                raise ValueError(f"reindex refused: indexed task(s) {unknown} are not in this version's lineage")
+            state = index.reindex([_regallery(index, version, n, lineage, split)
+                                   for n in sorted(dict.fromkeys(names), key=lambda n: lineage[n][0])])
+    return _record(registry, version.version, state, policy)
 
 
-def record_index_state(registry: Registry, version: str, state: dict, policy: Policy) -> dict:
-    """Tag the version with what the index now holds, so the registry side can read it too."""
-    for key, value in (("index_generation", state["generation"]), ("index_policy", policy),
-                       ("indexed_tasks", ",".join(state["tasks"]))):
-        registry.client.set_model_version_tag(registry.name, version, key, str(value))
-    return state
+def put_lineage(settings: Settings, version: Version, split: str = "test") -> dict:
+    """Make the index hold every task of `version`'s lineage, by `settings.index_policy`, and pin the
+    version as the query encoder once its gallery is in place.
 
-
-def _reindex_tasks(index: VectorIndex, new_task: str, lineage: dict) -> list[str]:
-    names = list(index.state()["tasks"]) + [new_task]
-    unknown = [n for n in names if n not in lineage]
-    if unknown:
-        raise ValueError(f"reindex refused: indexed task(s) {unknown} are not in this version's lineage")
-    return sorted(dict.fromkeys(names), key=lambda n: lineage[n][0])
-
-
-def _vectors_for_reindex(index: VectorIndex, version: Version, name: str, lineage: dict, split: str) -> TaskVectors:
-    task_index, entry = lineage[name]
-    try:
-        task = Task.load(entry["path"])
-    except DataError as exc:
-        raise DataError(f"reindex refused: the raw data of indexed task {name!r} is gone ({exc}); "
-                        f"reindexing re-embeds every indexed task, so keep their data or use --policy no-reindex") from exc
-    unchanged = "image" in version.manifest.get("unchanged_towers", []) and name in index.state()["tasks"]
-    return embed_gallery(version, task, task_index, split,  # an unmoved image tower: reuse its vectors as stored
-                         stored_images=index.points(name, "image") if unchanged else None)
+    no-reindex: append the lineage tasks the index lacks (the others keep their vectors); reindex: one
+    atomic generation with exactly the lineage under this version (which also drops tasks outside it,
+    such as the newer tasks a rollback leaves behind)."""
+    registry, lineage = Registry(settings), _lineage(version)
+    with open_index(settings) as index:
+        index.progress = True
+        state = index.state()
+        if settings.index_policy == "no-reindex":
+            for name, (i, entry) in lineage.items():
+                if name not in state["tasks"]:
+                    task = _task_of(entry, "indexing", "keep the data of every task a version may need to index")
+                    state = _record(registry, version.version, index.append(embed_gallery(version, task, i, split)),
+                                    "no-reindex")
+        elif set(state["tasks"]) != set(lineage) or any(t["model_version"] != version.version
+                                                        for t in state["tasks"].values()):
+            state = _record(registry, version.version,
+                            index.reindex([_regallery(index, version, n, lineage, split) for n in lineage]), "reindex")
+        # Search switches its query encoder here, with the gallery in place (a reindex already pinned it)
+        return index.pin(version.version) if state["tasks"] else state
 
 
 def evaluate_through_index(index: VectorIndex, bundle: models.ClipBundle, tasks: list[Task], split: str = "test",
@@ -138,6 +124,34 @@ def evaluate_through_index(index: VectorIndex, bundle: models.ClipBundle, tasks:
             t2i = _ranks(index.search_batch(query.txt, "image", target, k), task.name, row_of, query.positive.T, k)
             (known if mode == "known" else unknown)[task.name] = evaluate.metrics_from_ranks(i2t, t2i)
     return {"known": known, "unknown": unknown}
+
+
+def _lineage(version: Version) -> dict[str, tuple[int, dict]]:
+    """task name -> (task index, lineage entry), in training order."""
+    return {e["task"]: (i, e) for i, e in enumerate(version.lineage)}
+
+
+def _task_of(entry: dict, step: str, advice: str) -> Task:
+    try:
+        return Task.load(entry["path"])
+    except DataError as exc:
+        raise DataError(f"{step} refused: the raw data of task {entry['task']!r} is gone ({exc}); {advice}") from exc
+
+
+def _regallery(index: VectorIndex, version: Version, name: str, lineage: dict, split: str) -> TaskVectors:
+    """Task `name` embedded by `version` for a reindex; an unmoved image tower reuses its stored vectors."""
+    task_index, entry = lineage[name]
+    task = _task_of(entry, "reindex", "reindexing re-embeds every indexed task, so keep their data or use "
+                                      "--policy no-reindex")
+    unchanged = "image" in version.manifest.get("unchanged_towers", []) and name in index.state()["tasks"]
+    return embed_gallery(version, task, task_index, split, stored_images=index.points(name, "image") if unchanged else None)
+
+
+def _record(registry: Registry, version: str, state: dict, policy: Policy) -> dict:
+    """Tag the version with what the index now holds, so the registry side can read it too."""
+    registry.set_tags(version, {"index_generation": state["generation"], "index_policy": policy,
+                                "indexed_tasks": ",".join(state["tasks"])})
+    return state
 
 
 def _ranks(results, task: str, row_of: dict[str, int], positive: np.ndarray, k: int) -> np.ndarray:

@@ -1,23 +1,23 @@
 """Promotion: move alias `production` to a version once its gates pass and its gallery is in place.
 
 The gallery is indexed before the alias moves, so the serving stack never sees a production version
-whose tasks are missing from the index. MLflow keeps no alias history, so every promotion is also a
-run in the experiment `STREAM-promotions`; rollback replays that history to find the version to restore.
+whose tasks are missing from the index. MLflow keeps no alias history, so every promotion is also
+recorded in the registry (`Registry.record_promotion`); rollback replays that history to find the
+version to restore.
 """
 
 from __future__ import annotations
 
 import getpass
-import json
 import math
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from clipstream.indexing import put_lineage
+from clipstream.registry import PRODUCTION, Registry, RegistryError, Version
 from clipstream.settings import Settings
-from training.registry import Registry, RegistryError, Version
 
-PRODUCTION = "production"
 SPLIT = "test"  # the gallery split the serving index holds
 
 
@@ -48,7 +48,7 @@ def check_gates(registry: Registry, candidate: Version, production: Version | No
     if production is None:
         return gates + [Gate("aa", True, aa, None, "no production version to compare with"),
                         Gate("not-production", True, candidate.version, None, "no production version"),
-                        Gate("lineage", True, _tasks(candidate), None, "no production version")]
+                        Gate("lineage", True, candidate.tasks, None, "no production version")]
     floor = registry.run_metrics(production.run_id).get("known/AA", math.nan) - settings.promote_max_aa_drop
     key = lambda v: [(e["task"], e.get("data_sha")) for e in v.lineage]
     extends = key(candidate)[:len(production.lineage)] == key(production)
@@ -57,7 +57,7 @@ def check_gates(registry: Registry, candidate: Version, production: Version | No
                                            f"minus {settings.promote_max_aa_drop}"),
         Gate("not-production", candidate.version != production.version, candidate.version, f"!= {production.version}",
              "the candidate must not already be production"),
-        Gate("lineage", extends, _tasks(candidate), _tasks(production),
+        Gate("lineage", extends, candidate.tasks, production.tasks,
              f"the candidate's tasks (and data) must extend production v{production.version}'s"),
     ]
 
@@ -76,33 +76,18 @@ def promote(settings: Settings, ref: str, *, force: bool = False, reason: str = 
             f"{g.name} {_fmt(g.value)} vs threshold {_fmt(g.threshold)} ({g.detail})" for g in failed)
             + " (use --force to promote anyway)", gates)
     forced = bool(failed) and reason == "promote"  # a rollback bypasses gates by design: not "forced"
-    state = _put_gallery(settings, registry, candidate) if index else None
-    registry.client.set_registered_model_alias(registry.name, PRODUCTION, candidate.version)
+    state = put_lineage(settings, candidate, SPLIT) if index else None
+    registry.set_alias(PRODUCTION, candidate.version)
     record = {"from_version": production.version if production else "", "to_version": candidate.version,
               "reason": "force" if forced else reason, "user": getpass.getuser(),
-              "time": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
-              "gates": gates, "forced": forced}
-    record["run_id"] = _record(registry, record)
-    return {**record, "index": state}
+              "time": datetime.now(timezone.utc).isoformat(timespec="microseconds"), "forced": forced}
+    record["run_id"] = registry.record_promotion({**record, "gates": [asdict(g) for g in gates]})
+    return {**record, "gates": gates, "index": state}
 
 
 def history(settings: Settings) -> list[dict]:
     """Every recorded promotion, oldest first."""
-    registry = Registry(settings)
-    found = registry.client.get_experiment_by_name(_experiment_name(registry))
-    if not found:
-        return []
-    runs, token = [], None
-    while True:
-        page = registry.client.search_runs([found.experiment_id], max_results=1000, page_token=token)
-        runs += page
-        token = page.token
-        if not token:
-            break
-    records = [{**{k: r.data.tags.get(k, "") for k in ("from_version", "to_version", "reason", "user", "time")},
-                "forced": r.data.tags.get("forced") == "True", "gates": [Gate(**g) for g in json.loads(r.data.tags.get("gates", "[]"))],
-                "run_id": r.info.run_id} for r in runs]
-    return sorted(records, key=lambda r: r["time"])
+    return [{**r, "gates": [Gate(**g) for g in r["gates"]]} for r in Registry(settings).promotions()]
 
 
 def rollback(settings: Settings, *, index: bool = True) -> dict:
@@ -124,43 +109,9 @@ def rollback(settings: Settings, *, index: bool = True) -> dict:
     return promote(settings, stack[-2], force=True, reason="rollback", index=index)
 
 
-def _put_gallery(settings: Settings, registry: Registry, version: Version) -> dict:
-    """no-reindex: append the lineage tasks the index lacks (others keep their vectors); reindex: make the
-    index hold exactly the lineage under this version, in one atomic generation (also drops other tasks)."""
-    from clipstream.indexing import _vectors_for_reindex, index_task, record_index_state
-    from services.index import open_index
-
-    if settings.index_policy == "no-reindex":
-        with open_index(settings) as index:
-            indexed = index.state()["tasks"]
-        for entry in [e for e in version.lineage if e["task"] not in indexed]:
-            index_task(settings, version.version, entry["path"], "no-reindex", SPLIT)  # opens the index itself
-    with open_index(settings) as index:
-        state = index.state()
-        lineage = {e["task"]: (i, e) for i, e in enumerate(version.lineage)}
-        if settings.index_policy == "reindex" and (set(state["tasks"]) != set(lineage) or any(
-                t["model_version"] != version.version for t in state["tasks"].values())):
-            index.progress = True
-            # not index_task: its reindex keeps every indexed task and adds one, so it can neither fill in
-            # several missing lineage tasks nor drop the newer tasks a rollback leaves behind
-            state = index.reindex([_vectors_for_reindex(index, version, n, lineage, SPLIT) for n in lineage])
-            record_index_state(registry, version.version, state, "reindex")
-        # Search switches its query encoder here, with the gallery in place (a reindex already pinned it)
-        return index.pin(version.version) if state["tasks"] else state
-
-
 def gate_rows(gates: list[Gate]) -> list[tuple[str, ...]]:
     return [("gate", "value", "threshold", "result", "detail")] + [
         (g.name, _fmt(g.value), _fmt(g.threshold), "PASS" if g.passed else "FAIL", g.detail) for g in gates]
-
-
-def _record(registry: Registry, record: dict) -> str:
-    experiment_id = registry.experiment_id(_experiment_name(registry))
-    tags = {k: json.dumps([asdict(g) for g in v]) if k == "gates" else str(v) for k, v in record.items()}
-    run = registry.client.create_run(experiment_id, tags=tags,
-                                     run_name=f"{record['reason']} {_v(record['from_version'])} -> v{record['to_version']}")
-    registry.client.set_terminated(run.info.run_id)
-    return run.info.run_id
 
 
 def _production(registry: Registry, download: bool = True) -> Version | None:
@@ -168,14 +119,6 @@ def _production(registry: Registry, download: bool = True) -> Version | None:
         return registry.resolve(PRODUCTION, download=download)
     except RegistryError:
         return None
-
-
-def _experiment_name(registry: Registry) -> str:
-    return f"{registry.name}-promotions"
-
-
-def _tasks(version: Version) -> list[str]:
-    return [e["task"] for e in version.lineage]
 
 
 def _v(version) -> str:

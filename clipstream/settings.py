@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Optional
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
+
+from clipstream.index import Policy
 
 
 def _config_file() -> Optional[Path]:
@@ -41,10 +43,10 @@ class Settings(BaseSettings):
     runs_dir: Optional[Path] = Field(None, description="Ray Train storage (checkpoints); default HOME/runs")
     promote_max_forgetting: float = Field(25.0, description="a candidate's task-known mean forgetting (R points) may not exceed this")
     promote_max_aa_drop: float = Field(0.0, description="a candidate's task-known AA may be at most this far below production's")
-    index_policy: Literal["no-reindex", "reindex"] = Field("no-reindex", description="how promotion puts the gallery in place")
+    index_policy: Policy = Field("no-reindex", description="how promotion puts the gallery in place")
     serve_replicas: int = Field(1, ge=1, description="Encoder replicas")
     serve_encoder_cpus: float = Field(0.5, ge=0, description="CPUs each Encoder replica reserves (0 shares the cores)")
-    serve_search_cpus: float = Field(0.25, ge=0, description="CPUs the Search ingress reserves")
+    serve_search_cpus: float = Field(0.25, ge=0, description="CPUs the Search deployment reserves")
     serve_batch_size: int = Field(32, ge=1, description="most requests one @serve.batch call gathers")
     serve_model_cache: int = Field(3, ge=1, description="model versions each Encoder replica keeps loaded")
     serve_max_items: int = Field(256, ge=1, description="texts or images in one request")

@@ -12,14 +12,14 @@ from ray import serve
 from ray.serve.config import gRPCOptions
 from ray.serve.generated import serve_pb2, serve_pb2_grpc
 
-from services.encoder import Encoder
-from services.search import Search
+from clipstream.services.encoder import Encoder
+from clipstream.services.search import Search
 
 APP = "clipstream"
 SERVICES = ("clipstream.v1.Encoder", "clipstream.v1.Search", "clipstream.v1.Admin")
 GRPC_SERVICERS = ["clipstream.v1.encoder_pb2_grpc.add_EncoderServicer_to_server",
                   "clipstream.v1.search_pb2_grpc.add_SearchServicer_to_server",
-                  "clipstream.v1.admin_pb2_grpc.add_AdminServicer_to_server", "services.app.add_health_service"]
+                  "clipstream.v1.admin_pb2_grpc.add_AdminServicer_to_server", "clipstream.services.app.add_health_service"]
 
 
 # Ray Serve's throughput settings (its RAY_SERVE_THROUGHPUT_OPTIMIZED mode, minus direct ingress, which

@@ -13,18 +13,18 @@ model without a restart, and every response names the version that made its vect
 from __future__ import annotations
 
 import hmac
-import io
 from collections import defaultdict
 
 import grpc
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import UnidentifiedImageError
 from ray import serve
 
+from clipstream.models import load_image
+from clipstream.registry import Registry, RegistryError
+from clipstream.services.client import API_KEY_HEADER
 from clipstream.v1 import admin_pb2, encoder_pb2, search_pb2
-from services.client import API_KEY_HEADER
-from services.versions import UnknownVersion, VersionStore
 
 
 class RequestError(Exception):
@@ -44,7 +44,7 @@ class Encoder:
 
     def __init__(self, search, settings, batch_wait_s: float = 0.005, alias_ttl_s: float = 2.0):
         self.search = search
-        self.store = VersionStore(settings.mlflow_tracking_uri, settings.stream, settings.home / "cache", alias_ttl_s)
+        self.registry = Registry(settings, alias_ttl_s)
         torch.set_num_threads(max(1, int(settings.serve_encoder_cpus)))  # Ray pins 1 thread to a fractional reservation
         self.settings = settings
         self.batches_seen: list[int] = []  # sizes of recent batches: shows batching at work (tests, debugging)
@@ -52,7 +52,7 @@ class Encoder:
         self._encode.set_batch_wait_timeout_s(batch_wait_s)
 
         async def load(version: str):
-            return self.store.load(version)
+            return self.registry.load(version)
 
         # made here, not as a decorated method, so the cache bound comes from Settings (Serve detects it either way)
         self.model = serve.multiplexed(max_num_models_per_replica=settings.serve_model_cache)(load)
@@ -124,8 +124,8 @@ class Encoder:
 
     def _version(self, ref: str) -> str:
         try:
-            return self.store.resolve(ref)
-        except UnknownVersion as exc:
+            return self.registry.number(ref)
+        except RegistryError as exc:
             raise RequestError(grpc.StatusCode.NOT_FOUND, str(exc)) from exc
 
     def _validate(self, modality: str, items: list) -> list:
@@ -150,8 +150,7 @@ class Encoder:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    f"image {i} is {len(data)} bytes; the limit is {limits.serve_max_image_bytes} bytes")
             try:
-                with Image.open(io.BytesIO(data)) as img:
-                    images.append(img.convert("RGB"))
+                images.append(load_image(data))
             except (UnidentifiedImageError, OSError, ValueError) as exc:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"image {i} is not a decodable image (PNG, JPEG, WebP...): {exc}") from exc
@@ -167,13 +166,8 @@ class Encoder:
         for (version, modality), members in groups.items():
             bundle = await self.model(version)
             flat = [x for i in members for x in requests[i][2]]
-            with torch.no_grad():
-                if modality == "text":
-                    vectors = bundle.model.encode_text(bundle.tokenizer(flat), normalize=True)
-                else:
-                    vectors = bundle.model.encode_image(torch.stack([bundle.preprocess_val(im) for im in flat]), normalize=True)
-            vectors = vectors.float().numpy()
-            start = 0
+            embed = bundle.embed_texts if modality == "text" else bundle.embed_images
+            vectors, start = embed(flat, batch_size=len(flat)), 0
             for i in members:
                 n = len(requests[i][2])
                 out[i], start = vectors[start:start + n], start + n

@@ -15,10 +15,10 @@ import grpc
 import numpy as np
 from ray import serve
 
+from clipstream.index import MAX_K, MODALITIES, VectorIndexError, open_index
+from clipstream.registry import PRODUCTION, Registry, RegistryError
+from clipstream.services.encoder import RequestError
 from clipstream.v1 import admin_pb2, search_pb2
-from services.encoder import RequestError
-from services.index import MAX_K, MODALITIES, VectorIndexError, open_index
-from services.versions import UnknownVersion, VersionStore
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64)
@@ -26,7 +26,7 @@ class Search:
     def __init__(self, settings):
         self.settings = settings
         self.index = open_index(settings)  # Edge: reads the published manifest, reloads when it changes
-        self.registry = VersionStore(settings.mlflow_tracking_uri, settings.stream, settings.home / "cache")
+        self.registry = Registry(settings)
         self._encoder = None
 
     @property
@@ -77,10 +77,10 @@ class Search:
     async def status(self) -> admin_pb2.Status:
         state, problems = self.index.state(), []
         try:
-            production = self.registry.resolve("")
-        except UnknownVersion:
+            production = self.registry.number(PRODUCTION)
+        except RegistryError:
             production = ""
-            problems.append("no version carries the alias 'production': run `clipstream promote VERSION`")
+            problems.append(f"no version carries the alias {PRODUCTION!r}: run `clipstream promote VERSION`")
         if not state["tasks"]:
             problems.append("the index is empty: run `clipstream index` or `clipstream promote`")
         query = state.get("query_version") or ""
@@ -88,8 +88,7 @@ class Search:
             problems.append(f"production is v{production} but the gallery serves queries for v{query}: "
                             f"promote with `clipstream promote {production}` to put its gallery in place")
         if production:
-            lineage = self.registry.client.get_model_version(self.registry.name, production).tags.get("lineage_tasks")
-            missing = [t for t in (lineage.split(",") if lineage else []) if t not in state["tasks"]]
+            missing = [t for t in self.registry.resolve(production, download=False).tasks if t not in state["tasks"]]
             if missing:
                 problems.append(f"production v{production} was trained on task(s) {missing} that are not indexed")
         return admin_pb2.Status(
@@ -102,10 +101,10 @@ class Search:
 
     async def versions(self) -> admin_pb2.ListVersionsResponse:
         loaded = set(await self.encoder.loaded.remote())
-        return admin_pb2.ListVersionsResponse(versions=[
+        return admin_pb2.ListVersionsResponse(versions=[  # newest first
             admin_pb2.ModelVersion(
-                version=str(mv.version), task=mv.tags.get("task", ""), task_index=int(mv.tags.get("task_index") or 0),
-                method=mv.tags.get("method", ""), parent_version=mv.tags.get("parent_version", ""),
-                aliases=aliases, loaded=str(mv.version) in loaded,
-                created_at=datetime.fromtimestamp(mv.creation_timestamp / 1000, timezone.utc).isoformat(timespec="seconds"))
-            for mv, aliases in self.registry.versions()])
+                version=v.version, task=v.tags.get("task", ""), task_index=int(v.tags.get("task_index") or 0),
+                method=v.tags.get("method", ""), parent_version=v.tags.get("parent_version", ""),
+                aliases=v.aliases, loaded=v.version in loaded,
+                created_at=datetime.fromtimestamp(v.created_ms / 1000, timezone.utc).isoformat(timespec="seconds"))
+            for v in reversed(self.registry.versions())])

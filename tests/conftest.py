@@ -12,8 +12,8 @@ def ray_cluster():
     import ray
 
     from clipstream.settings import Settings
-    from services.app import serving_environment
-    from training.job import init_ray
+    from clipstream.services.app import serving_environment
+    from clipstream.training.job import init_ray
 
     serving_environment()  # the tests serve with the settings `clipstream serve` uses
     init_ray(Settings(ray_address=None), num_cpus=2)
@@ -37,7 +37,7 @@ def settings(tmp_path, monkeypatch):
 @pytest.fixture(scope="session")
 def stream(tmp_path_factory):
     """Two small synthetic domain tasks (no digits), made once per session."""
-    from training.data.synth import synthesize
+    from clipstream.training.data.synth import synthesize
 
     return synthesize(tmp_path_factory.mktemp("stream") / "data", tasks=2, seed=3, train_pairs=256,
                       test_per_task=24, digits=False, progress=False)
@@ -52,9 +52,9 @@ def register_version(settings, seed: int, alias: str | None = None, task_dirs=()
     import mlflow
     import torch
 
-    from training import models
-    from training.data.task import Task
-    from training.registry import MANIFEST, Registry
+    from clipstream import models
+    from clipstream.training.data.task import Task
+    from clipstream.registry import MANIFEST, Registry
 
     torch.manual_seed(seed)
     tasks = [Task.load(d) for d in task_dirs]
@@ -70,7 +70,7 @@ def register_version(settings, seed: int, alias: str | None = None, task_dirs=()
         mlflow.log_metrics({"known/AA": aa, "known/forgetting": forgetting})
         version = registry.register(folder, tags)
     if alias:
-        registry.client.set_registered_model_alias(registry.name, alias, version)
+        registry.set_alias(alias, version)
     return version
 
 

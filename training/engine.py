@@ -20,14 +20,26 @@ import deepspeed
 import ray.train
 import torch
 
-from training import methods, models
-from training.losses import clip_loss
-from training.methods.base import TaskContext, forward_features, frozen
+from clipstream import models
+from clipstream.training import methods
+from clipstream.training.losses import clip_loss
+from clipstream.training.methods.base import TaskContext, forward_features, frozen
 
 STATE_FILE = "train_state.json"
 METHOD_STATE_FILE = "method_state.pt"
 EXPORT_DIR = "export"
 CKPT_TAG = "last"
+
+
+def prepare_for_deepspeed(model: torch.nn.Module) -> torch.nn.Module:
+    """DeepSpeed broadcasts parameters as bytes and cannot view a 0-dim tensor that way, so the
+    0-dim `logit_scale` becomes shape [1] while training (open_clip's maths broadcasts either way;
+    `models.export` makes it 0-dim again)."""
+    for name in ("logit_scale", "logit_bias"):
+        param = getattr(model, name, None)
+        if isinstance(param, torch.nn.Parameter) and param.dim() == 0:
+            setattr(model, name, torch.nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad))
+    return model
 
 
 def deepspeed_config(train: dict, world_size: int, total_steps: int) -> dict:
@@ -93,7 +105,7 @@ def train_loop(config: dict) -> None:
         torch.set_num_threads(config["threads_per_worker"])
 
     bundle = models.create(config["model"]["arch"], config["model_source"])
-    model = models.prepare_for_deepspeed(bundle.model)
+    model = prepare_for_deepspeed(bundle.model)
     method = methods.build(config)
     if config.get("parent_state"):
         method.load_state_dict(torch.load(config["parent_state"], weights_only=False))
@@ -104,7 +116,7 @@ def train_loop(config: dict) -> None:
                                       config=deepspeed_config(train, world, total))
     teacher = None
     if method.needs_teacher and config["task_index"] > 0:  # θ(t-1), as registered: also right after a resume
-        teacher = models.prepare_for_deepspeed(models.create(config["model"]["arch"], config["model_source"]).model)
+        teacher = prepare_for_deepspeed(models.create(config["model"]["arch"], config["model_source"]).model)
         teacher = frozen(teacher.to(device=engine.device, dtype=next(engine.module.parameters()).dtype))
     task_ctx = TaskContext(model=engine.module, task_index=config["task_index"], rank=rank, world_size=world,
                            device=engine.device, teacher=teacher, current=config["current"])

@@ -1,8 +1,9 @@
 """Retrieval evaluation for the task stream: R@K / Rm, task-known and task-unknown galleries,
 the R[i][j] result matrix with AA / forgetting / BWT, and embedding a split with an open_clip model.
 
-Metric definitions follow shared/methods/ctp.md §5 and continual-cross-modal-retrieval.md §1, §4:
-rank by cosine of L2-normalised embeddings, a query hits at K when any positive is in its top K.
+Metric definitions follow CTP (Zhu et al., ICCV 2023, arXiv:2308.07146: R@1/5/10, their mean Rm, BWT) and
+"Continual learning in cross-modal retrieval" (Wang et al., arXiv:2104.06806: task-known and task-unknown
+galleries): rank by cosine of L2-normalised embeddings, a query hits at K when any positive is in its top K.
 """
 
 from __future__ import annotations
@@ -13,10 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 from matplotlib.figure import Figure
-from PIL import Image
 
 KS = (1, 5, 10)
 _QUERY_CHUNK = 2048  # query rows scored at once, so union galleries never need a full [Q, G] matrix
@@ -246,51 +244,13 @@ class ResultMatrix:
         return "\n".join(lines)
 
 
-@torch.no_grad()
-def embed_pairs(
-    model,
-    preprocess,
-    tokenizer,
-    image_paths: Sequence[str],
-    captions: Sequence[str],
-    batch_size: int = 256,
-    device: str | torch.device = "cpu",
-) -> tuple[np.ndarray, np.ndarray]:
-    """Embed a split's images (PIL -> RGB -> preprocess) and captions (tokenizer) with an open_clip model
-    in eval mode; returns float32 numpy [N, D] arrays with unit rows. The model's train/eval mode is
-    restored afterwards, so this can run between training steps."""
-    if len(image_paths) != len(captions):
-        raise ValueError(f"{len(image_paths)} images but {len(captions)} captions")
-    if not image_paths:
-        raise ValueError("nothing to embed")
-    dtype = next(model.parameters()).dtype
-    was_training = model.training
-    model.eval()
-    try:
-        img, txt = [], []
-        for s in range(0, len(image_paths), batch_size):
-            pixels = []
-            for p in image_paths[s : s + batch_size]:
-                with Image.open(p) as im:
-                    pixels.append(preprocess(im.convert("RGB")))
-            x = torch.stack(pixels).to(device=device, dtype=dtype)
-            img.append(F.normalize(model.encode_image(x, normalize=True).float(), dim=-1).cpu())
-            tokens = tokenizer(list(captions[s : s + batch_size])).to(device)
-            txt.append(F.normalize(model.encode_text(tokens, normalize=True).float(), dim=-1).cpu())
-    finally:
-        model.train(was_training)
-    return torch.cat(img).numpy(), torch.cat(txt).numpy()
-
-
 def embed_task(bundle, task, split: str = "test", batch_size: int = 256) -> Embedded:
-    """A task split embedded by a model bundle (`training.models.ClipBundle`), ready for `evaluate_seen`."""
-    import io
-
+    """A task split embedded by a model bundle (`clipstream.models.ClipBundle`), ready for `evaluate_seen`."""
     rows = task.check(split).rows
-    images = [io.BytesIO(r["image_bytes"]) if "image_bytes" in r else str(task.root / r["image"]) for r in rows]
     captions = [str(r["caption"]) for r in rows]
-    img, txt = embed_pairs(bundle.model, bundle.preprocess_val, bundle.tokenizer, images, captions, batch_size)
-    return Embedded(task.name, img, txt, positives([str(r["image"]) for r in rows], captions))
+    img = bundle.embed_images([task.image(r) for r in rows], batch_size)
+    return Embedded(task.name, img, bundle.embed_texts(captions, batch_size),
+                    positives([str(r["image"]) for r in rows], captions))
 
 
 def format_scores(scores: dict[str, dict[str, dict[str, float]]]) -> str:

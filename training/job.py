@@ -1,5 +1,12 @@
-"""One task = one job: check the data, train on a Ray Train `TorchTrainer` of DeepSpeed workers,
-evaluate on every task seen so far, and register the result as a new model version in MLflow."""
+"""One task = one job, as four steps that read top to bottom:
+
+    prepare  → the config, the method, the parent version and checked data; nothing runs yet
+    fit      → a Ray Train `TorchTrainer` of DeepSpeed workers (`engine.train_loop`); the trained export
+    evaluate → the new version on every task seen so far: one more row of R[i][j], plots, diagnostics
+    register → the export + what the next task needs, as a new MLflow model version (alias `candidate`)
+
+`run_task` runs them inside the task's MLflow run; each step can also be called (and tested) alone.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -20,12 +27,58 @@ import torch
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
+from clipstream import models
+from clipstream.registry import MANIFEST, Registry, Version
 from clipstream.settings import Settings
-from training import diagnostics, evaluate, methods, models
-from training.data.reader import training_dataset
-from training.data.task import DataError, Task
-from training.engine import EXPORT_DIR, METHOD_STATE_FILE, train_loop
-from training.registry import MANIFEST, Registry, Version
+from clipstream.training import diagnostics, evaluate, methods
+from clipstream.training.data.reader import training_dataset
+from clipstream.training.data.task import DataError, Task
+from clipstream.training.engine import EXPORT_DIR, METHOD_STATE_FILE, train_loop
+
+
+@dataclass
+class Plan:
+    """What `prepare` decided: everything the other steps need, checked before anything runs."""
+
+    config: dict
+    method: methods.Stack
+    task: Task
+    parent: Optional[Version]
+    current: dict  # the lineage entry of this task
+    sources: list[tuple[Task, set]]  # training data: (task, ids to skip), the current task's first
+    rows: int
+    skipped: list[str]
+    workers: int
+    workdir: Path  # scratch space of this job (a method's extra data, the staged version), removed at the end
+    tags: dict = field(default_factory=dict)
+
+    @property
+    def history(self) -> list[dict]:
+        return self.parent.lineage if self.parent else []
+
+    @property
+    def task_index(self) -> int:
+        return len(self.history)
+
+    @property
+    def run_name(self) -> str:
+        return f"{self.task_index:02d}-{self.task.name}-{self.method.name}"
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.rows // self.workers // self.config["train"]["micro_batch"]
+
+    @property
+    def model_source(self) -> str:
+        """The parent's exported folder, or the preset's pretrained tag or checkpoint (None = random init)."""
+        return str(self.parent.folder) if self.parent else self.config["model"]["pretrained"]
+
+
+@dataclass
+class Evaluation:
+    known: evaluate.ResultMatrix
+    unknown: evaluate.ResultMatrix
+    heatmap: Path
 
 
 @dataclass
@@ -41,6 +94,144 @@ class TaskResult:
     seconds: float
 
 
+def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[str] = None, workers: int = 2,
+             overrides: Iterable[str] = (), settings: Optional[Settings] = None) -> TaskResult:
+    """Train `method` on one task starting from `parent` (a registry reference; None = the preset's
+    model), evaluate, and register the new version with alias `candidate`."""
+    tic = time.perf_counter()
+    settings = (settings or Settings()).ensure_dirs()
+    registry = Registry(settings)
+    plan = prepare(registry, task_dir, method, parent, workers, overrides)
+    try:
+        with registry.run(plan.run_name, plan.tags) as run_id:
+            trained = fit(plan, settings, run_id)
+            result = evaluate_version(plan, trained, settings.home / "plots" / run_id)
+            version = register(registry, plan, trained, result)
+    finally:
+        shutil.rmtree(plan.workdir, ignore_errors=True)
+    return TaskResult(version, run_id, plan.task.name, plan.task_index, result.known, result.unknown, result.heatmap,
+                      len(plan.skipped), time.perf_counter() - tic)
+
+
+def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optional[str], workers: int,
+            overrides: Iterable[str] = ()) -> Plan:
+    """Resolve the preset and the parent, and check all training data; a bad input fails here, before
+    Ray starts or a run is opened."""
+    config = methods.resolve(method, overrides)
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    task = Task.load(task_dir)
+    parent_v = registry.resolve(parent) if parent else None
+    if parent_v and task.name in [e["task"] for e in parent_v.lineage]:
+        raise ValueError(f"version {parent_v.version} has already been trained on task {task.name!r}")
+    stack = methods.build(config)
+    if parent_v:  # e.g. ER's buffer: the driver reads it to build the training data
+        stack.load_state_dict(torch.load(parent_v.folder / METHOD_STATE_FILE, weights_only=False))
+    current = {"task": task.name, "path": str(task.root), "data_sha": task.data_sha()}
+    plan = Plan(config, stack, task, parent_v, current, [], 0, [], workers,
+                Path(tempfile.mkdtemp(prefix="clipstream-job-")))
+    try:
+        for entry in [current, *stack.extra_tasks(current, plan.history, str(plan.workdir))]:
+            source = _task_of(entry)
+            check = source.check("train", config["train"]["on_bad_image"])
+            plan.sources.append((source, check.skipped_ids))
+            plan.rows += len(check.rows)
+            plan.skipped += check.skipped
+        if plan.steps_per_epoch < 1:
+            raise DataError(f"task {task.name!r}: {plan.rows} usable training rows cannot fill one step of "
+                            f"{workers} workers x micro batch {config['train']['micro_batch']}")
+    except BaseException:
+        shutil.rmtree(plan.workdir, ignore_errors=True)
+        raise
+    for line in plan.skipped:
+        print(f"[data] skipped {line}", flush=True)
+    plan.tags = {"task": task.name, "task_index": str(plan.task_index), "method": stack.name,
+                 "parent_version": parent_v.version if parent_v else "", "data_sha": current["data_sha"]}
+    return plan
+
+
+def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
+    """Train on the plan's data with `workers` Ray Train workers; returns the trained open_clip export
+    (with the method state) staged in the job's workdir."""
+    config, train = plan.config, plan.config["train"]
+    mlflow.log_params({**_flatten(config), "task": plan.task.name, "parent": plan.tags["parent_version"],
+                       "workers": plan.workers, "train_rows": plan.rows})
+    mlflow.log_dict(config, "config.json")
+    mlflow.log_metric("data/skipped_rows", len(plan.skipped))
+    bundle = models.create(config["model"]["arch"], plan.model_source)
+    tokenizer = f"local-dir:{plan.parent.folder}" if plan.parent else bundle.arch
+    init_ray(settings)
+    deterministic = train["deterministic"]
+    dataset = training_dataset(plan.sources, bundle.preprocess_train, tokenizer, seed=train["seed"] if deterministic else None)
+    ingest = DataConfig.default_ingest_options()
+    ingest.preserve_order = deterministic  # rows reach the workers in the same order on every run
+    gpu = torch.cuda.is_available()
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={**config, "model_source": plan.model_source, "task_index": plan.task_index,
+                           "steps_per_epoch": plan.steps_per_epoch, "fail_once": os.environ.get("CLIPSTREAM_FAIL_ONCE"),
+                           "threads_per_worker": max(1, int(ray.available_resources().get("CPU", 1)) // plan.workers),
+                           "parent_state": str(plan.parent.folder / METHOD_STATE_FILE) if plan.parent else None,
+                           "current": plan.current, "tracking": {"uri": settings.mlflow_tracking_uri, "run_id": run_id}},
+        scaling_config=ScalingConfig(num_workers=plan.workers, use_gpu=gpu, resources_per_worker=None if gpu else {"CPU": 0.5}),
+        run_config=RunConfig(name=f"{settings.stream}-{run_id}", storage_path=str(settings.runs_dir),
+                             failure_config=FailureConfig(max_failures=train["max_failures"]),
+                             checkpoint_config=CheckpointConfig(num_to_keep=1)),
+        datasets={"train": dataset}, dataset_config=DataConfig(execution_options=ingest),
+    )
+    result = trainer.fit()
+    mlflow.log_metrics({f"train/{k}": v for k, v in result.metrics.items() if k in ("samples_per_s", "step_ms", "start_epoch", "step")})
+    staged = plan.workdir / "checkpoint"  # the registered artifact's folder
+    with result.checkpoint.as_directory() as folder:
+        shutil.copytree(Path(folder) / EXPORT_DIR, staged, dirs_exist_ok=True)
+        shutil.copy(Path(folder) / METHOD_STATE_FILE, staged / METHOD_STATE_FILE)
+    return staged
+
+
+def evaluate_version(plan: Plan, trained: Path, plots: Path) -> Evaluation:
+    """The trained model on the test split of every task seen so far: the parent's R matrices grow by
+    one row, logged with AA / forgetting / BWT and heatmaps; from task 2 on, Mod-X's spatial disorder
+    of the old tasks' test pairs between the parent and this version."""
+    bundle = models.load_exported(trained)
+    embedded = [evaluate.embed_task(bundle, _task_of(e)) for e in [*plan.history, plan.current]]
+    scores = evaluate.evaluate_seen(embedded)
+    previous = plan.parent.manifest.get("matrix", {}) if plan.parent else {}
+    matrices = {}
+    for mode in ("known", "unknown"):
+        matrix = evaluate.ResultMatrix.from_dict(previous[mode]) if previous else evaluate.ResultMatrix()
+        matrix.add_row(plan.task.name, {name: m["Rm"] for name, m in scores[mode].items()})
+        for name, metrics in scores[mode].items():
+            mlflow.log_metrics({f"eval/{mode}/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
+        mlflow.log_metrics({f"{mode}/AA": matrix.average_accuracy(), f"{mode}/forgetting": matrix.mean_forgetting(),
+                            f"{mode}/BWT": matrix.bwt()})
+        mlflow.log_dict(matrix.to_dict(), f"matrix_{mode}.json")
+        matrix.heatmap(plots / f"{plan.run_name}-{mode}.png", title=f"R[i][j] (Rm, task-{mode}) after {plan.task.name}")
+        matrices[mode] = matrix
+    if plan.parent:  # how the old tasks' test pairs moved from the parent to this version
+        parent = models.load_exported(plan.parent.folder)
+        before = [evaluate.embed_task(parent, _task_of(e)) for e in plan.history]
+        probe = [np.concatenate([getattr(e, m) for e in es]) for es in (before, embedded[:-1]) for m in ("img", "txt")]
+        mlflow.log_metrics(diagnostics.spatial_disorder(*probe))  # old_img, old_txt, new_img, new_txt
+        diagnostics.plot_spatial_disorder(*probe, plots / f"{plan.run_name}-spatial-disorder.png",
+                                          title=f"v{plan.parent.version} -> {plan.task.name}: old tasks' test pairs")
+    mlflow.log_artifacts(str(plots), "plots")
+    return Evaluation(matrices["known"], matrices["unknown"], plots / f"{plan.run_name}-known.png")
+
+
+def register(registry: Registry, plan: Plan, trained: Path, result: Evaluation) -> str:
+    """The trained folder + its manifest (lineage, matrices, config, unchanged towers) as the next
+    version of the stream, in the active run."""
+    (trained / MANIFEST).write_text(json.dumps({
+        "lineage": [*plan.history, plan.current],
+        "matrix": {"known": result.known.to_dict(), "unknown": result.unknown.to_dict()},
+        "config": plan.config, "parent_version": plan.tags["parent_version"],
+        "unchanged_towers": [t for t in ("image", "text") if plan.parent and t not in plan.method.trains_towers]},
+        indent=2))
+    version = registry.register(trained, plan.tags)
+    mlflow.set_tag("model_version", version)
+    return version
+
+
 def init_ray(settings: Settings, num_cpus: Optional[int] = None) -> None:
     if ray.is_initialized():
         return
@@ -48,136 +239,15 @@ def init_ray(settings: Settings, num_cpus: Optional[int] = None) -> None:
     if settings.ray_address:
         ray.init(address=settings.ray_address, log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), log_to_driver=True,
-                 configure_logging=False)
-
-
-def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[str] = None, workers: int = 2,
-             overrides: Iterable[str] = (), settings: Optional[Settings] = None) -> TaskResult:
-    """Train `method` on one task starting from `parent` (a registry reference; None = the preset's
-    model), evaluate, and register the new version with alias `candidate`."""
-    tic = time.perf_counter()
-    settings = (settings or Settings()).ensure_dirs()
-    config = methods.resolve(method, overrides)
-    method_obj = methods.build(config)
-    train_cfg = config["train"]
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
-    task = Task.load(task_dir)
-    registry = Registry(settings)
-    parent_v: Optional[Version] = registry.resolve(parent) if parent else None
-    history = parent_v.lineage if parent_v else []
-    if any(entry["task"] == task.name for entry in history):
-        raise ValueError(f"version {parent_v.version} has already been trained on task {task.name!r}")
-    current = {"task": task.name, "path": str(task.root), "data_sha": task.data_sha()}
-    parent_state = parent_v.folder / METHOD_STATE_FILE if parent_v else None
-    if parent_state:  # e.g. ER's buffer: the driver reads it to build the training data
-        method_obj.load_state_dict(torch.load(parent_state, weights_only=False))
-    workdir = tempfile.mkdtemp(prefix="clipstream-job-")  # data a method adds (ER's buffer as a task)
-
-    sources, rows, skipped = [], 0, []
-    for entry in [current, *method_obj.extra_tasks(current, history, workdir)]:
-        source = _task_of(entry)
-        check = source.check("train", train_cfg["on_bad_image"])
-        sources.append((source, check.skipped_ids))
-        rows += len(check.rows)
-        skipped += check.skipped
-    for line in skipped:
-        print(f"[data] skipped {line}", flush=True)
-    steps_per_epoch = rows // workers // train_cfg["micro_batch"]
-    if steps_per_epoch < 1:
-        raise DataError(f"task {task.name!r}: {rows} usable training rows cannot fill one step of "
-                        f"{workers} workers x micro batch {train_cfg['micro_batch']}")
-
-    model_source = str(parent_v.folder) if parent_v else config["model"]["pretrained"]
-    bundle = models.create(config["model"]["arch"], model_source)
-    tokenizer = f"local-dir:{parent_v.folder}" if parent_v else bundle.arch
-    init_ray(settings)
-    deterministic = train_cfg["deterministic"]
-    dataset = training_dataset(sources, bundle.preprocess_train, tokenizer, seed=train_cfg["seed"] if deterministic else None)
-    ingest = DataConfig.default_ingest_options()
-    ingest.preserve_order = deterministic  # rows reach the workers in the same order on every run
-
-    tags = {"task": task.name, "task_index": str(len(history)), "method": method_obj.name,
-            "parent_version": parent_v.version if parent_v else "", "data_sha": current["data_sha"]}
-    run_name = f"{len(history):02d}-{task.name}-{method_obj.name}"
-    with registry.run(run_name, tags) as run_id:
-        mlflow.log_params({**_flatten(config), "task": task.name, "parent": parent or "", "workers": workers,
-                           "train_rows": rows})
-        mlflow.log_dict(config, "config.json")
-        mlflow.log_metric("data/skipped_rows", len(skipped))
-        fail_once = os.environ.get("CLIPSTREAM_FAIL_ONCE")
-        trainer = TorchTrainer(
-            train_loop,
-            train_loop_config={**config, "model_source": model_source, "task_index": len(history),
-                               "steps_per_epoch": steps_per_epoch, "fail_once": fail_once,
-                               "threads_per_worker": max(1, int(ray.available_resources().get("CPU", 1)) // workers),
-                               "parent_state": str(parent_state) if parent_state else None, "current": current,
-                               "tracking": {"uri": settings.mlflow_tracking_uri, "run_id": run_id}},
-            scaling_config=ScalingConfig(num_workers=workers, use_gpu=torch.cuda.is_available(),
-                                         resources_per_worker=None if torch.cuda.is_available() else {"CPU": 0.5}),
-            run_config=RunConfig(name=f"{settings.stream}-{run_id}", storage_path=str(settings.runs_dir),
-                                 failure_config=FailureConfig(max_failures=train_cfg["max_failures"]),
-                                 checkpoint_config=CheckpointConfig(num_to_keep=1)),
-            datasets={"train": dataset}, dataset_config=DataConfig(execution_options=ingest),
-        )
-        try:
-            result = trainer.fit()
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-        mlflow.log_metrics({f"train/{k}": v for k, v in result.metrics.items() if k in ("samples_per_s", "step_ms", "start_epoch", "step")})
-
-        staging = Path(tempfile.mkdtemp(prefix="clipstream-version-")) / "checkpoint"  # the artifact's name
-        with result.checkpoint.as_directory() as folder:
-            shutil.copytree(Path(folder) / EXPORT_DIR, staging, dirs_exist_ok=True)
-            shutil.copy(Path(folder) / METHOD_STATE_FILE, staging / METHOD_STATE_FILE)
-
-        trained = models.load_exported(staging)
-        seen = [*history, current]
-        embedded = [evaluate.embed_task(trained, _task_of(e)) for e in seen]
-        scores = evaluate.evaluate_seen(embedded)
-        previous = parent_v.manifest.get("matrix", {}) if parent_v else {}
-        known = evaluate.ResultMatrix.from_dict(previous["known"]) if previous else evaluate.ResultMatrix()
-        unknown = evaluate.ResultMatrix.from_dict(previous["unknown"]) if previous else evaluate.ResultMatrix()
-        known.add_row(task.name, {name: m["Rm"] for name, m in scores["known"].items()})
-        unknown.add_row(task.name, {name: m["Rm"] for name, m in scores["unknown"].items()})
-
-        for mode, per_task in scores.items():
-            for name, metrics in per_task.items():
-                mlflow.log_metrics({f"eval/{mode}/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
-        for mode, matrix in (("known", known), ("unknown", unknown)):
-            mlflow.log_metrics({f"{mode}/AA": matrix.average_accuracy(), f"{mode}/forgetting": matrix.mean_forgetting(),
-                                f"{mode}/BWT": matrix.bwt()})
-            mlflow.log_dict(matrix.to_dict(), f"matrix_{mode}.json")
-        plots = settings.home / "plots" / run_id
-        heatmap = known.heatmap(plots / f"{run_name}-known.png", title=f"R[i][j] (Rm, task-known) after {task.name}")
-        unknown.heatmap(plots / f"{run_name}-unknown.png", title=f"R[i][j] (Rm, task-unknown) after {task.name}")
-        if parent_v:  # Mod-X's spatial disorder: how the old tasks' test pairs moved from parent to this version
-            before = [evaluate.embed_task(models.load_exported(parent_v.folder), _task_of(e)) for e in history]
-            probe = [np.concatenate([getattr(e, m) for e in es]) for es in (before, embedded[:-1]) for m in ("img", "txt")]
-            mlflow.log_metrics(diagnostics.spatial_disorder(*probe))  # old_img, old_txt, new_img, new_txt
-            diagnostics.plot_spatial_disorder(*probe, plots / f"{run_name}-spatial-disorder.png",
-                                              title=f"v{parent_v.version} -> {task.name}: old tasks' test pairs")
-        mlflow.log_artifacts(str(plots), "plots")
-
-        (staging / MANIFEST).write_text(json.dumps({
-            "lineage": seen, "matrix": {"known": known.to_dict(), "unknown": unknown.to_dict()},
-            "config": config, "parent_version": tags["parent_version"],
-            "unchanged_towers": [t for t in ("image", "text") if parent_v and t not in method_obj.trains_towers]},
-            indent=2))
-        version = registry.register(staging, tags)
-        mlflow.set_tag("model_version", version)
-    return TaskResult(version, run_id, task.name, len(history), known, unknown, heatmap, len(skipped),
-                      time.perf_counter() - tic)
+        ray.init(num_cpus=num_cpus or os.cpu_count(), log_to_driver=True, configure_logging=False)
 
 
 def _task_of(entry: dict) -> Task:
     """A lineage entry's task, with an error naming the stream's entry when its data is gone."""
     try:
-        task = Task.load(entry["path"])
+        return Task.load(entry["path"])
     except DataError as exc:
         raise DataError(f"task {entry['task']!r} of this stream is no longer readable: {exc}") from exc
-    return task
 
 
 def _flatten(config: dict, prefix: str = "") -> dict:

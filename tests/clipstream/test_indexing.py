@@ -9,11 +9,12 @@ import pytest
 from clipstream.cli import main
 from clipstream.indexing import evaluate_through_index, index_task
 from clipstream.settings import Settings
-from services.index import open_index
-from training import evaluate, models
-from training.data.task import DataError, Task
-from training.job import run_task
-from training.registry import Registry
+from clipstream.index import open_index
+from clipstream import models
+from clipstream.training import evaluate
+from clipstream.training.data.task import DataError, Task
+from clipstream.training.job import run_task
+from clipstream.registry import Registry
 
 FAST = ["train.epochs=2", "train.micro_batch=16", "train.max_failures=0"]
 
@@ -21,7 +22,7 @@ FAST = ["train.epochs=2", "train.micro_batch=16", "train.max_failures=0"]
 @pytest.fixture(scope="module")
 def trained(ray_cluster, tmp_path_factory):
     """Versions 1..3 of a finetune stream over three small synthetic tasks."""
-    from training.data.synth import synthesize
+    from clipstream.training.data.synth import synthesize
 
     root = tmp_path_factory.mktemp("indexing")
     dirs = synthesize(root / "data", tasks=3, seed=5, train_pairs=500, test_per_task=16, digits=False, progress=False)
@@ -107,7 +108,7 @@ def test_reindex_is_refused_when_an_indexed_tasks_data_is_gone(trained, tmp_path
     moved = tmp_path / "moved"
     shutil.move(str(dirs[0]), moved)
     try:
-        with pytest.raises(DataError, match="reindex refused: the raw data of indexed task 'task-00-household' is gone"):
+        with pytest.raises(DataError, match="reindex refused: the raw data of task 'task-00-household' is gone"):
             index_task(settings, "2", dirs[1], "reindex")
     finally:
         shutil.move(str(moved), dirs[0])

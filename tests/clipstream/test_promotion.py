@@ -8,10 +8,10 @@ import pytest
 
 from clipstream.cli import main
 from clipstream.promotion import PromotionError, history, promote, rollback
-from services.index import open_index
+from clipstream.index import open_index
 from tests.conftest import register_version
-from training.data.task import DataError, Task
-from training.registry import Registry
+from clipstream.training.data.task import DataError, Task
+from clipstream.registry import Registry
 
 
 @pytest.fixture

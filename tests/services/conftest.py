@@ -5,7 +5,6 @@ import socket
 
 import grpc
 import pytest
-import torch
 from PIL import Image
 
 from tests.conftest import register_version
@@ -16,10 +15,10 @@ def set_production(settings, stub, version: str, timeout_s: float = 20.0) -> Non
     import time
 
     from clipstream.v1 import encoder_pb2
-    from training.registry import Registry
+    from clipstream.registry import Registry
 
     registry = Registry(settings)
-    registry.client.set_registered_model_alias(registry.name, "production", version)
+    registry.set_alias("production", version)
     deadline = time.monotonic() + timeout_s
     while stub.EncodeText(encoder_pb2.EncodeTextRequest(texts=["a cup"])).model_version != version:
         assert time.monotonic() < deadline, f"the Encoder did not switch to v{version}"
@@ -44,7 +43,7 @@ def served(ray_cluster, tmp_path_factory):
 
     from clipstream.settings import Settings
     from clipstream.v1 import encoder_pb2_grpc
-    from services import app
+    from clipstream.services import app
 
     # no CPU reserved: the session's 2-CPU Ray cluster must still fit the training tests that follow
     settings = Settings(home=tmp_path_factory.mktemp("serve") / "home", grpc_port=_free_port(), serve_max_items=8,
@@ -70,20 +69,13 @@ def indexed(served):
     """Two tasks of coloured squares indexed with version 1 (the production version)."""
     settings, channel, _, (v1, _) = served
     from clipstream.v1 import search_pb2_grpc
-    from services.index import TaskVectors, open_index
-    from services.versions import VersionStore
+    from clipstream.index import TaskVectors, open_index
+    from clipstream.registry import Registry
 
-    bundle = VersionStore(settings.mlflow_tracking_uri, settings.stream, settings.home / "cache").load(v1)
-    from io import BytesIO
-
-    from PIL import Image
-
+    bundle = Registry(settings).load(v1)
     with open_index(settings) as index:
         for t, task in enumerate(("squares", "discs")):
             captions = [f"a {c} {task[:-1]} {t}" for c in COLOURS]
-            pixels = torch.stack([bundle.preprocess_val(Image.open(BytesIO(png(c))).convert("RGB")) for c in COLOURS])
-            with torch.no_grad():
-                img = bundle.model.encode_image(pixels, normalize=True).numpy()
-                txt = bundle.model.encode_text(bundle.tokenizer(captions), normalize=True).numpy()
+            img, txt = bundle.embed_images([png(c) for c in COLOURS]), bundle.embed_texts(captions)
             index.append(TaskVectors(task, t, v1, [f"{task}-{i}" for i in range(len(COLOURS))], img, txt, captions))
     return settings, search_pb2_grpc.SearchStub(channel), bundle, v1

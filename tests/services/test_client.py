@@ -7,7 +7,7 @@ import grpc
 import numpy as np
 import pytest
 
-from services.client import Client
+from clipstream.services.client import Client
 
 
 def test_client_batches_and_returns_numpy(served):

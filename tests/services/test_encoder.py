@@ -11,8 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
 from clipstream.v1 import encoder_pb2
-from services import app
-from services.versions import VersionStore
+from clipstream.services import app
+from clipstream.registry import Registry
 from tests.services.conftest import png as _png
 from tests.services.conftest import set_production
 
@@ -26,7 +26,7 @@ def test_encode_text_equals_the_in_process_model_and_names_the_version(served):
     texts = ["a large red lamp in the top left", "a small blue cup on a striped background"]
     response = stub.EncodeText(encoder_pb2.EncodeTextRequest(texts=texts))
     assert response.model_version == v1 and response.dim == 64
-    local = VersionStore(settings.mlflow_tracking_uri, settings.stream, settings.home / "cache").load(v1)
+    local = Registry(settings).load(v1)
     with torch.no_grad():
         expected = local.model.encode_text(local.tokenizer(texts), normalize=True).numpy()
     assert np.allclose(_vectors(response), expected, atol=1e-5)
@@ -38,7 +38,7 @@ def test_encode_image_equals_the_in_process_model(served):
     settings, _, stub, (v1, _) = served
     images = [_png("red"), _png("navy")]
     response = stub.EncodeImage(encoder_pb2.EncodeImageRequest(images=images))
-    local = VersionStore(settings.mlflow_tracking_uri, settings.stream, settings.home / "cache").load(v1)
+    local = Registry(settings).load(v1)
     pixels = torch.stack([local.preprocess_val(Image.open(io.BytesIO(b)).convert("RGB")) for b in images])
     with torch.no_grad():
         expected = local.model.encode_image(pixels, normalize=True).numpy()
@@ -54,8 +54,8 @@ def test_encode_image_equals_the_in_process_model(served):
     (lambda s: s.EncodeText(encoder_pb2.EncodeTextRequest(texts=["a" * 101])), grpc.StatusCode.RESOURCE_EXHAUSTED, "limit is 100"),
     (lambda s: s.EncodeImage(encoder_pb2.EncodeImageRequest(images=[b"not an image"])), grpc.StatusCode.INVALID_ARGUMENT, "not a decodable image"),
     (lambda s: s.EncodeImage(encoder_pb2.EncodeImageRequest(images=[b"0" * 200_001])), grpc.StatusCode.RESOURCE_EXHAUSTED, "200000 bytes"),
-    (lambda s: s.EncodeText(encoder_pb2.EncodeTextRequest(texts=["a"], model_version="99")), grpc.StatusCode.NOT_FOUND, "'99' not found"),
-    (lambda s: s.EncodeText(encoder_pb2.EncodeTextRequest(texts=["a"], model_version="staging")), grpc.StatusCode.NOT_FOUND, "'staging' not found"),
+    (lambda s: s.EncodeText(encoder_pb2.EncodeTextRequest(texts=["a"], model_version="99")), grpc.StatusCode.NOT_FOUND, "99: no such model version"),
+    (lambda s: s.EncodeText(encoder_pb2.EncodeTextRequest(texts=["a"], model_version="staging")), grpc.StatusCode.NOT_FOUND, "staging: no such model version"),
 ])
 def test_bad_requests_get_the_right_status_and_the_server_keeps_serving(served, call, code, words):
     _, _, stub, _ = served

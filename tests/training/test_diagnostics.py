@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from training.diagnostics import (
+from clipstream.training.diagnostics import (
     RAM_EDGES,
     SAM_EDGES,
     _percent,

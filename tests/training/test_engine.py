@@ -2,9 +2,9 @@
 
 import pytest
 
-from training import models
-from training.engine import deepspeed_config, param_groups
-from training.methods import resolve
+from clipstream import models
+from clipstream.training.engine import deepspeed_config, param_groups, prepare_for_deepspeed
+from clipstream.training.methods import resolve
 
 
 def test_deepspeed_config_follows_the_preset():
@@ -30,7 +30,7 @@ def test_warmup_never_exceeds_the_task_and_bad_precision_is_refused():
 
 
 def test_param_groups_exclude_gains_biases_embeddings_and_logit_scale_from_decay():
-    model = models.prepare_for_deepspeed(models.create("clipstream-vit-tiny").model)
+    model = prepare_for_deepspeed(models.create("clipstream-vit-tiny").model)
     no_decay, decay = param_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -38,3 +38,12 @@ def test_param_groups_exclude_gains_biases_embeddings_and_logit_scale_from_decay
     assert "token_embedding.weight" in {names[id(p)] for p in no_decay["params"]}
     assert all(p.ndim >= 2 for p in decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_prepare_for_deepspeed_reshapes_logit_scale_and_keeps_training_maths():
+    bundle = models.create("clipstream-vit-tiny")
+    before = float(bundle.model.logit_scale.exp())
+    model = prepare_for_deepspeed(bundle.model)
+    assert model.logit_scale.shape == (1,) and model.logit_scale.requires_grad
+    assert float(model.logit_scale.exp()) == pytest.approx(before)
+    assert "logit_scale" in dict(model.named_parameters())  # still trained

@@ -5,11 +5,10 @@ import pytest
 import torch
 from PIL import Image
 
-from training.evaluate import (
+from clipstream.training.evaluate import (
     KS,
     Embedded,
     ResultMatrix,
-    embed_pairs,
     evaluate_seen,
     positives,
     recall_at_k,
@@ -295,68 +294,3 @@ def test_format_table_contains_numbers():
     lines = text.splitlines()
     assert len({len(line) for line in lines[:4]}) == 1  # header + 3 rows are fixed-width
     assert "BWT" in text and "forgetting" in text
-
-
-# ---------------------------------------------------------------- embed_pairs
-
-
-@pytest.fixture(scope="module")
-def tiny_clip(tmp_path_factory):
-    import open_clip
-
-    cfg_dir = tmp_path_factory.mktemp("cfg")
-    cfg = {
-        "embed_dim": 32,
-        "vision_cfg": {"image_size": 32, "layers": 1, "width": 64, "patch_size": 8},
-        "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 1},
-    }
-    (cfg_dir / "tiny-evaluate-test.json").write_text(json.dumps(cfg))
-    open_clip.add_model_config(cfg_dir)
-    torch.manual_seed(0)
-    model, _, preprocess = open_clip.create_model_and_transforms("tiny-evaluate-test")
-    return model, preprocess, open_clip.get_tokenizer("tiny-evaluate-test")
-
-
-def test_embed_pairs_matches_direct_encoding(tiny_clip, tmp_path):
-    model, preprocess, tokenizer = tiny_clip
-    rng = np.random.default_rng(0)
-    paths = []
-    for i in range(5):
-        p = tmp_path / f"{i}.png"
-        mode = "L" if i == 0 else "RGB"  # a grayscale file must be converted to RGB
-        shape = (40, 48) if mode == "L" else (40, 48, 3)
-        Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode).save(p)
-        paths.append(str(p))
-    captions = ["a red dress", "a blue car", "a cat on a mat", "two dogs", "a red dress"]
-
-    model.train()
-    img, txt = embed_pairs(model, preprocess, tokenizer, paths, captions, batch_size=2)
-    assert model.training  # mode restored
-    assert img.shape == (5, 32) and txt.shape == (5, 32)
-    assert img.dtype == np.float32 and txt.dtype == np.float32
-    np.testing.assert_allclose(np.linalg.norm(img, axis=1), 1.0, atol=1e-5)
-    np.testing.assert_allclose(np.linalg.norm(txt, axis=1), 1.0, atol=1e-5)
-    np.testing.assert_array_equal(txt[0], txt[4])  # identical captions embed identically
-
-    model.eval()
-    with torch.no_grad():
-        x = torch.stack([preprocess(Image.open(p).convert("RGB")) for p in paths])
-        want_img = model.encode_image(x, normalize=True).numpy()
-        want_txt = model.encode_text(tokenizer(captions), normalize=True).numpy()
-    np.testing.assert_allclose(img, want_img, atol=1e-5)
-    np.testing.assert_allclose(txt, want_txt, atol=1e-5)
-
-    img2, txt2 = embed_pairs(model, preprocess, tokenizer, paths, captions, batch_size=256)
-    np.testing.assert_allclose(img2, img, atol=1e-6)  # batching does not change the result
-    np.testing.assert_allclose(txt2, txt, atol=1e-6)
-    img3, txt3 = embed_pairs(model, preprocess, tokenizer, paths, captions, batch_size=2)
-    np.testing.assert_array_equal(img3, img)  # deterministic
-    np.testing.assert_array_equal(txt3, txt)
-
-
-def test_embed_pairs_rejects_mismatched_lengths(tiny_clip):
-    model, preprocess, tokenizer = tiny_clip
-    with pytest.raises(ValueError):
-        embed_pairs(model, preprocess, tokenizer, ["a.png"], [])
-    with pytest.raises(ValueError):
-        embed_pairs(model, preprocess, tokenizer, [], [])

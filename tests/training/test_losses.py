@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from open_clip.loss import ClipLoss
 
 from tests.conftest import on_gloo
-from training.losses import clip_loss
+from clipstream.training.losses import clip_loss
 
 
 def _features(n=8, d=16, seed=0):

@@ -6,7 +6,6 @@ workers, so a worker's loop only moves ready batches into the model (`get_datase
 
 from __future__ import annotations
 
-import io
 import zlib
 from functools import lru_cache
 from typing import Callable, Iterable
@@ -15,10 +14,9 @@ import numpy as np
 import open_clip
 import ray.data
 import torch
-from PIL import Image
 
-from training import models  # noqa: F401  (registers our architectures, so their tokenizers resolve here too)
-from training.data.task import DataError, Task
+from clipstream.models import load_image  # (importing clipstream.models registers our architectures' tokenizers)
+from clipstream.training.data.task import DataError, Task, image_source
 
 
 @lru_cache(maxsize=4)
@@ -32,19 +30,21 @@ def _prepare(batch: dict, *, root: str, preprocess: Callable, tokenizer: str, sk
     keep = [i for i, id_ in enumerate(batch["id"]) if str(id_) not in skip_ids]
     images = []
     for i in keep:
-        data = batch["image_bytes"][i] if "image_bytes" in batch else None
-        source = io.BytesIO(data) if data is not None else f"{root}/{batch['image'][i]}"
         if seed is not None:  # the row's random crop follows from (seed, id), not from which process got it
             torch.manual_seed(zlib.crc32(f"{seed}:{batch['id'][i]}".encode()))
         try:
-            with Image.open(source) as img:
-                images.append(preprocess(img.convert("RGB")).numpy())
+            images.append(preprocess(load_image(batch_image(batch, i, root))).numpy())
         except Exception as exc:  # the file changed after the task was checked
             raise DataError(f"task {root}: cannot decode image of id {batch['id'][i]!r}: {exc}") from exc
     captions = [str(batch["caption"][i]) for i in keep]
     if not keep:
         return {"image": np.zeros((0, 3, 1, 1), np.float32), "text": np.zeros((0, 1), np.int64)}
     return {"image": np.stack(images).astype(np.float32), "text": _tokenizer(tokenizer)(captions).numpy()}
+
+
+def batch_image(batch: dict, i: int, root: str):
+    """Row i's image in a batch of `read_split` rows: its bytes or its path (`image_source`)."""
+    return image_source(root, batch["image"][i], batch["image_bytes"][i] if "image_bytes" in batch else None)
 
 
 def read_split(task: Task, split: str) -> ray.data.Dataset:

@@ -111,17 +111,18 @@ class Task:
             raise DataError(f"{files}: split {split!r} of task {self.name!r} has no usable rows")
         return check
 
+    def image(self, row: dict) -> bytes | Path:
+        """A row's image: its bytes (a WebDataset shard carries them) or its file under the task's root."""
+        return image_source(self.root, row.get("image"), row.get("image_bytes"))
+
     def _image_problem(self, row: dict) -> Optional[str]:
-        data = row.get("image_bytes")
-        if data is None:
-            if not row.get("image"):
-                return "missing image field"
-            path = self.root / row["image"]
-            if not path.is_file():
-                return f"image not found: {path}"
-            data = path.read_bytes()
+        if row.get("image_bytes") is None and not row.get("image"):
+            return "missing image field"
+        source = self.image(row)
+        if isinstance(source, Path) and not source.is_file():
+            return f"image not found: {source}"
         try:
-            with Image.open(io.BytesIO(data)) as img:
+            with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
                 img.verify()
         except Exception as exc:  # PIL raises many types for corrupt data
             return f"corrupt image {row.get('image')}: {exc}"
@@ -133,11 +134,15 @@ class Task:
         for split in sorted(self.splits):
             for where, row in _read_rows(self.splits[split]):
                 digest.update(json.dumps({k: v for k, v in row.items() if k != "image_bytes"}, sort_keys=True).encode())
-                data = row.get("image_bytes")
-                if data is None and row.get("image") and (self.root / row["image"]).is_file():
-                    data = (self.root / row["image"]).read_bytes()
-                digest.update(hashlib.sha256(data or b"").digest())
+                source = self.image(row) if row.get("image_bytes") is not None or row.get("image") else b""
+                data = source if isinstance(source, bytes) else source.read_bytes() if source.is_file() else b""
+                digest.update(hashlib.sha256(data).digest())
         return digest.hexdigest()
+
+
+def image_source(root: str | Path, image: Optional[str], image_bytes: Optional[bytes] = None) -> bytes | Path:
+    """The one rule for where a row's image is, for rows (`Task.image`) and Ray Data batches alike."""
+    return bytes(image_bytes) if image_bytes is not None else Path(root) / str(image)
 
 
 def _split(manifest: Path, name: str, spec) -> Split:

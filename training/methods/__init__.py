@@ -1,14 +1,14 @@
 """Continual-learning methods by name, and the presets that configure and compose them."""
 
-from training.methods.base import Features, Method, Stack, TaskContext, forward_features
-from training.methods.config import resolve
-from training.methods.ctp import CTP
-from training.methods.er import ER
-from training.methods.ewc import EWC
-from training.methods.joint import Joint
-from training.methods.lwf import LwF
-from training.methods.mas import MAS
-from training.methods.modx import ModX
+from clipstream.training.methods.base import Features, Method, Stack, TaskContext, forward_features
+from clipstream.training.methods.config import method_presets, resolve
+from clipstream.training.methods.ctp import CTP
+from clipstream.training.methods.er import ER
+from clipstream.training.methods.ewc import EWC
+from clipstream.training.methods.joint import Joint
+from clipstream.training.methods.lwf import LwF
+from clipstream.training.methods.mas import MAS
+from clipstream.training.methods.modx import ModX
 
 METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Joint, EWC, MAS, LwF, ER, ModX, CTP)}
 
@@ -24,4 +24,4 @@ def build(config: dict) -> Stack:
                  [METHODS[name](dict(params or {})) for name, params in section.items()])
 
 
-__all__ = ["Features", "METHODS", "Method", "Stack", "TaskContext", "build", "forward_features", "resolve"]
+__all__ = ["Features", "METHODS", "Method", "Stack", "TaskContext", "build", "forward_features", "method_presets", "resolve"]

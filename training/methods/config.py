@@ -10,6 +10,7 @@ from typing import Iterable, Optional
 import yaml
 
 PRESETS = Path(__file__).with_name("presets.yaml")
+BASE = "base"  # the preset every other one inherits from; not a method of its own
 
 
 class _Loader(yaml.SafeLoader):
@@ -30,6 +31,11 @@ def merge(base: dict, over: dict) -> dict:
 
 def load_presets(path: Optional[Path] = None) -> dict[str, dict]:
     return yaml.load(Path(path or PRESETS).read_text(), Loader=_Loader)
+
+
+def method_presets(presets: Optional[dict] = None) -> list[str]:
+    """The presets one can train with (every preset but the shared base), in the file's order."""
+    return [name for name in (presets if presets is not None else load_presets()) if name != BASE]
 
 
 def resolve(name: str, overrides: Iterable[str] = (), presets: Optional[dict] = None) -> dict:

@@ -16,8 +16,8 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from training.losses import fill_positives, gather, positive_columns, row_kl
-from training.methods.base import Method, forward_features, frozen
+from clipstream.training.losses import fill_positives, gather, positive_columns, row_kl
+from clipstream.training.methods.base import Method, forward_features, frozen
 
 
 class Queue:

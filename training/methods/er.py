@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from training.data.task import Task
-from training.methods.base import Method
+from clipstream.training.data.task import Task
+from clipstream.training.methods.base import Method
 
 REPLAY = "replay-buffer"
 
@@ -74,6 +74,7 @@ class ER(Method):
 
 
 def _pair(task: Task, row: dict) -> dict:
-    data = row.get("image_bytes") or (task.root / row["image"]).read_bytes()
-    return {"task": task.name, "id": str(row["id"]), "caption": str(row["caption"]), "image": bytes(data),
+    source = task.image(row)
+    data = source if isinstance(source, bytes) else source.read_bytes()
+    return {"task": task.name, "id": str(row["id"]), "caption": str(row["caption"]), "image": data,
             "suffix": Path(str(row["image"])).suffix or ".png"}

@@ -1,8 +1,8 @@
 """EWC: importance = diagonal Fisher, the mean squared gradient of the CLIP loss at the end of the task;
 merged as a running mean over tasks, Ω ← ((t-1)·Ω + Ω_new)/t (ctp.md §4)."""
 
-from training.losses import clip_loss
-from training.methods.importance import Importance
+from clipstream.training.losses import clip_loss
+from clipstream.training.methods.importance import Importance
 
 
 class EWC(Importance):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from training.methods.base import Method, TaskContext, forward_features, trainable
+from clipstream.training.methods.base import Method, TaskContext, forward_features, trainable
 
 
 class Importance(Method):

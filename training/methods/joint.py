@@ -1,6 +1,6 @@
 """Joint training (JointT): every task so far, together; the upper bound a continual method aims at."""
 
-from training.methods.base import Method
+from clipstream.training.methods.base import Method
 
 
 class Joint(Method):

@@ -4,8 +4,8 @@ feature dimensions of the pre-normalisation features, ×T² as in Hinton's disti
 
 import torch
 
-from training.losses import row_kl
-from training.methods.base import Method
+from clipstream.training.losses import row_kl
+from clipstream.training.methods.base import Method
 
 
 def lwf_distill(student_raw: list, teacher_raw: list, temperature: float) -> torch.Tensor:

@@ -2,7 +2,7 @@
 normalised vector's norm is constant, so it has no gradient); accumulated, Ω ← Ω + Ω_new
 (continual-cross-modal-retrieval.md §2)."""
 
-from training.methods.importance import Importance
+from clipstream.training.methods.importance import Importance
 
 
 class MAS(Importance):

@@ -10,8 +10,8 @@ over ranks is the single-process sum; ×world_size because DeepSpeed averages th
 
 import torch
 
-from training.losses import fill_positives, gather, positive_columns, row_kl, world
-from training.methods.base import Method
+from clipstream.training.losses import fill_positives, gather, positive_columns, row_kl, world
+from clipstream.training.methods.base import Method
 
 
 def modx_distill(img, txt, t_img, t_txt, mask_diagonal: bool = False) -> torch.Tensor:

@@ -11,9 +11,9 @@ import ray.data
 import yaml
 from PIL import Image
 
-from training import models
-from training.data.reader import read_split, training_dataset
-from training.data.task import DataError, Task
+from clipstream import models
+from clipstream.training.data.reader import read_split, training_dataset
+from clipstream.training.data.task import DataError, Task
 
 ARCH = "clipstream-vit-tiny"
 

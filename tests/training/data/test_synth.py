@@ -10,7 +10,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from training.data.synth import COLOURS, P9D_SHARES, POSITIONS, synthesize
+from clipstream.training.data.synth import COLOURS, P9D_SHARES, POSITIONS, synthesize
 
 SMALL = {"tasks": 2, "train_pairs": 200, "test_per_task": 16, "image_size": 16, "progress": False}
 

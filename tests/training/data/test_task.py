@@ -10,7 +10,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from training.data.task import Check, DataError, Task
+from clipstream.training.data.task import Check, DataError, Task
 
 COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30), (30, 200, 200), (200, 30, 200)]
 

@@ -3,7 +3,7 @@ import copy
 
 import pytest
 
-from training.methods.config import load_presets, merge, resolve
+from clipstream.training.methods.config import load_presets, merge, resolve
 
 CUSTOM = {
     "base": {"train": {"lr": 1.0, "epochs": 2, "betas": [0.9, 0.98]}, "method": {"name": "finetune"},
@@ -28,7 +28,7 @@ SHIPPED = {"finetune": [], "joint": ["joint"], "ewc": ["ewc"], "mas": ["mas"], "
 
 
 def test_shipped_presets_resolve_with_all_base_keys_and_build_their_methods():
-    from training.methods import build
+    from clipstream.training.methods import build
 
     presets = load_presets()
     assert set(presets) == {"base", *SHIPPED}
@@ -51,7 +51,7 @@ def test_shipped_presets_resolve_with_all_base_keys_and_build_their_methods():
 
 
 def test_component_overrides_and_unknown_components():
-    from training.methods import build
+    from clipstream.training.methods import build
 
     config = resolve("ctp_er", ["method.ctp.momentum=0.5", "method.er.buffer_pairs=7"])
     stack = build(config)

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import on_gloo
-from training.methods.ctp import cmc_loss, topology_losses
-from training.methods.lwf import lwf_distill
-from training.methods.modx import modx_distill
+from clipstream.training.methods.ctp import cmc_loss, topology_losses
+from clipstream.training.methods.lwf import lwf_distill
+from clipstream.training.methods.modx import modx_distill
 
 N, D, WORLD = 8, 16, 2
 

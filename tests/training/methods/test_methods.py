@@ -10,15 +10,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training import models
-from training.data.task import Task
-from training.losses import clip_loss, fill_positives
-from training.methods import build, resolve
-from training.methods.base import TaskContext, forward_features, frozen
-from training.methods.ctp import CTP, Queue, cmc_loss, topology_losses
-from training.methods.er import ER, REPLAY, reservoir
-from training.methods.lwf import lwf_distill
-from training.methods.modx import modx_distill
+from clipstream import models
+from clipstream.training.data.task import Task
+from clipstream.training.engine import prepare_for_deepspeed
+from clipstream.training.losses import clip_loss, fill_positives
+from clipstream.training.methods import build, resolve
+from clipstream.training.methods.base import TaskContext, forward_features, frozen
+from clipstream.training.methods.ctp import CTP, Queue, cmc_loss, topology_losses
+from clipstream.training.methods.er import ER, REPLAY, reservoir
+from clipstream.training.methods.lwf import lwf_distill
+from clipstream.training.methods.modx import modx_distill
 
 
 def unit(n=8, d=16, seed=0, grad=False):
@@ -30,9 +31,9 @@ def unit(n=8, d=16, seed=0, grad=False):
 def pair():
     """Two different real tiny CLIPs (student, teacher) and a batch for them."""
     torch.manual_seed(0)
-    student = models.prepare_for_deepspeed(models.create("clipstream-vit-tiny").model)
+    student = prepare_for_deepspeed(models.create("clipstream-vit-tiny").model)
     torch.manual_seed(1)
-    teacher = frozen(models.prepare_for_deepspeed(models.create("clipstream-vit-tiny").model))
+    teacher = frozen(prepare_for_deepspeed(models.create("clipstream-vit-tiny").model))
     bundle = models.create("clipstream-vit-tiny")
     batch = {"image": torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(2)),
              "text": bundle.tokenizer([f"a {c} square on a plain background" for c in

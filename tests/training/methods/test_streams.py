@@ -6,8 +6,8 @@ import torch
 from mlflow import MlflowClient
 
 from clipstream.cli import main
-from training.data.task import Task
-from training.registry import Registry
+from clipstream.training.data.task import Task
+from clipstream.registry import Registry
 
 FAST = ["train.epochs=1", "train.micro_batch=8", "train.log_every=1", "train.max_failures=0", "train.warmup_steps=1"]
 # (preset, ZeRO stage): teacher and momentum copies must stay outside every stage's optimizer
@@ -16,7 +16,7 @@ STREAMS = [("ewc", 2), ("mas", 0), ("lwf", 1), ("er", 0), ("modx", 1), ("ctp", 2
 
 @pytest.fixture(scope="module")
 def three_tasks(tmp_path_factory):
-    from training.data.synth import synthesize
+    from clipstream.training.data.synth import synthesize
 
     return synthesize(tmp_path_factory.mktemp("three") / "data", tasks=3, seed=5, train_pairs=800, test_per_task=12,
                       digits=False, progress=False)

@@ -1,19 +1,12 @@
-"""Reproducible experiments on the synthetic benchmark.
-
-`clipstream bench index-policy`: the continual cross-modal retrieval paper's experiment. A stream is trained
-with one method; after each task its gallery is indexed twice, once per policy (no-reindex: only the new task,
-embedded by the new version; reindex: every task re-embedded by it). At the end, queries from the last version
-are ranked through each index, task-known and task-unknown.
-
-`clipstream bench methods`: every continual-learning method trained on the same stream, one MLflow
-experiment each; AA, forgetting, BWT, task-unknown AA and the cost per step relative to finetune.
+"""`clipstream bench methods`: every continual-learning method trained on the same synthetic stream, one
+MLflow experiment (stream) each; AA, forgetting, BWT, task-unknown AA and the cost per step relative to
+finetune, as a table and a plot of AA after each task. Writes benchmarks/results/methods.md (+ .png).
 """
 
 from __future__ import annotations
 
+import argparse
 import math
-import os
-import platform
 import time
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -21,17 +14,12 @@ from typing import Iterable, Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
-from clipstream.indexing import POLICIES, evaluate_through_index, index_task
+from clipstream.benchmarks import report
+from clipstream.registry import Registry
 from clipstream.settings import Settings
-from services.index import open_index
-from training import evaluate, models
-from training.data.synth import synthesize
-from training.data.task import Task
-from training.job import run_task
-from training.methods.config import load_presets, resolve
-from training.registry import Registry
-
-COLUMNS = ("i2t_R@1", "i2t_R@10", "t2i_R@1", "t2i_R@10")
+from clipstream.training.data.synth import synthesize
+from clipstream.training.job import run_task
+from clipstream.training.methods.config import load_presets, method_presets, resolve
 
 
 def seeded(seed: int) -> list[str]:
@@ -40,62 +28,33 @@ def seeded(seed: int) -> list[str]:
     return [f"train.seed={seed}", "train.deterministic=true"]
 
 
-def index_policy(settings: Settings, tasks: int = 3, seed: int = 0, method: str = "finetune", workers: int = 2,
-                 overrides: Iterable[str] = (), out: Path = Path("benchmarks/results/index-policy.md")) -> str:
-    stream = f"bench-index-policy-s{seed}-{time.strftime('%Y%m%d%H%M%S')}"
-    overrides = list(overrides)
-    train_sets = [*seeded(seed), *overrides]
-    settings = settings.model_copy(update={"stream": stream})
-    dirs = synthesize(settings.data_dir / stream, tasks=tasks, seed=seed, digits=False)
-    parent = None
-    for folder in dirs:
-        print(f"== {folder.name}: train ({method}), then index under both policies", flush=True)
-        parent = run_task(folder, method, parent, workers, train_sets, settings).version
-        for policy in POLICIES:
-            index_task(settings, parent, folder, policy, index_name=f"{stream}-{policy}")
-
-    bundle = models.load_exported(Registry(settings).resolve(parent).folder)
-    task_list = [Task.load(d) for d in dirs]
-    results = {"in memory (= reindex)": evaluate.evaluate_seen([evaluate.embed_task(bundle, t) for t in task_list])}
-    for policy in POLICIES:
-        index = open_index(settings, f"{stream}-{policy}")
-        try:
-            results[policy] = evaluate_through_index(index, bundle, task_list)
-        finally:
-            index.close()
-    table = index_policy_report(results, [t.name for t in task_list], tasks, seed, method, overrides, out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(table)
-    return table
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of every benchmark that trains streams (as `clipstream train` has them)."""
+    parser.add_argument("--seed", type=int, default=0, help="seeds the synthetic data and the training (default 0)")
+    parser.add_argument("--workers", type=int, default=2, help="Ray Train workers (default 2)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a preset value for every stream, e.g. train.epochs=2")
 
 
-def index_policy_report(results: dict, names: list[str], tasks: int, seed: int, method: str,
-                        overrides: Iterable[str], out: Path) -> str:
-    """The markdown table of `index_policy`: per policy and mode, R@K of each task and their mean."""
-    sets = "".join(f" --set {o}" for o in overrides)
-    lines = [
-        "# Index policy: no-reindex vs reindex",
-        "",
-        f"Stream: {tasks} synthetic domain tasks (seed {seed}), `{method}`, queries from the last version. "
-        f"Reproduce: `clipstream bench index-policy --tasks {tasks} --seed {seed} --method {method}{sets} --out {out}`.",
-        "R@K in percent; known = the query's own task's gallery, unknown = the union of all tasks' galleries.",
-        "",
-    ]
-    for mode in ("known", "unknown"):
-        lines += [f"## Task-{mode}", "", "| policy | task | " + " | ".join(COLUMNS) + " |",
-                  "|---|---|" + "---|" * len(COLUMNS)]
-        for policy, scores in results.items():
-            for name in names + ["mean"]:
-                row = ([scores[mode][name][c] for c in COLUMNS] if name != "mean" else
-                       [sum(scores[mode][n][c] for n in names) / len(names) for c in COLUMNS])
-                lines.append(f"| {policy} | {name} | " + " | ".join(f"{v:.1f}" for v in row) + " |")
-        lines.append("")
-    return "\n".join(lines)
+def parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--tasks", type=int, default=3, help="domain tasks; the digits task is added last (default 3)")
+    p.add_argument("--methods", default=",".join(method_presets()),
+                   help="comma-separated method presets, one stream each (default: every preset)")
+    p.add_argument("--out", default=str(report.RESULTS / "methods.md"), help="the markdown; the plot goes next to it (.png)")
+    add_training_arguments(p)
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
+    args = parser(prog).parse_args(argv)
+    text = methods(Settings(), args.tasks, args.seed, args.methods.split(","), args.workers, args.set, Path(args.out))
+    print(text)
+    return text
 
 
 SD_COLUMNS = {"sd/image_rotation_mean": "image rotation", "sd/text_rotation_mean": "text rotation",
               "sd/intermodal_deviation_mean": "inter-modal deviation", "sd/imav_le5_pct": "ImAV ≤ 5° (%)"}
-METHODS = ("finetune", "joint", "ewc", "mas", "lwf", "er", "modx", "ctp", "ctp_er")
 
 
 def check_methods(names: Sequence[str], overrides: Iterable[str] = ()) -> list[str]:
@@ -117,13 +76,13 @@ def check_methods(names: Sequence[str], overrides: Iterable[str] = ()) -> list[s
     return names
 
 
-def methods(settings: Settings, tasks: int = 3, seed: int = 0, names: Sequence[str] = METHODS, workers: int = 2,
+def methods(settings: Settings, tasks: int = 3, seed: int = 0, names: Sequence[str] = (), workers: int = 2,
             overrides: Iterable[str] = (), out: Path = Path("benchmarks/results/methods.md")) -> str:
     """Train the same synthetic stream (`tasks` domain tasks + digits) once per method, each in its own
     stream (MLflow experiment and registered model); write the comparison to `out` and its plot next to it."""
     overrides = list(overrides)
     train_sets = [*seeded(seed), *overrides]
-    names = check_methods(names, train_sets)
+    names = check_methods(names or method_presets(), train_sets)
     if tasks < 1:
         raise ValueError(f"tasks must be >= 1, got {tasks}")
     if workers < 1:
@@ -152,7 +111,7 @@ def methods(settings: Settings, tasks: int = 3, seed: int = 0, names: Sequence[s
     sets = "".join(f" --set {o}" for o in overrides)
     command = (f"clipstream bench methods --tasks {tasks} --seed {seed} --methods {','.join(names)} "
                f"--workers {workers}{sets} --out {out}")
-    return methods_report(results, Path(out), command, _device(workers),
+    return methods_report(results, Path(out), command, report.device(f"{workers} Ray Train workers"),
                           f"{tasks} synthetic domain tasks + the digits task (seed {seed})")
 
 
@@ -161,7 +120,6 @@ def methods_report(results: dict[str, dict], out: Path, command: str, device: st
     return the markdown. `results`: method -> {"known": ResultMatrix, "unknown": ResultMatrix,
     "step_ms": mean time of a training step over its tasks, "seconds": wall time of all its tasks}."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     png = plot_methods(results, out.with_suffix(".png"))
     base = results.get("finetune", {}).get("step_ms", math.nan)
     lines = [
@@ -177,26 +135,23 @@ def methods_report(results: dict[str, dict], out: Path, command: str, device: st
         "and method hooks done, last epoch of each task, mean over tasks) ÷ finetune's, same micro batch; minutes = "
         "wall time of all its task jobs.",
         "",
-        "| method | AA | forgetting | BWT | final Rm (task-unknown AA) | step time ×finetune | minutes |",
-        "|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for method, r in results.items():
         known, unknown, step = r["known"], r["unknown"], r["step_ms"]
         ratio = step / base if math.isfinite(base) and math.isfinite(step) and base > 0 else math.nan
-        cells = [known.average_accuracy(), known.mean_forgetting(), known.bwt(), unknown.average_accuracy()]
-        lines.append(f"| {method} | " + " | ".join(f"{v:.1f}" for v in cells) +
-                     f" | {'-' if math.isnan(ratio) else f'{ratio:.2f}'} | {r['seconds'] / 60:.1f} |")
+        rows.append([method, known.average_accuracy(), known.mean_forgetting(), known.bwt(), unknown.average_accuracy(),
+                     "-" if math.isnan(ratio) else f"{ratio:.2f}", r["seconds"] / 60])
+    lines += report.table(["method", "AA", "forgetting", "BWT", "final Rm (task-unknown AA)", "step time ×finetune",
+                           "minutes"], rows)
     if any(r.get("sd") for r in results.values()):
         lines += ["", "Mod-X's spatial disorder between consecutive versions on the old tasks' test pairs (mean over "
                   "tasks 2..T; degrees): how far each modality rotated, how differently the two rotated, and the "
-                  "share of pairs the old version retrieved whose image-text angle moved by at most 5°.", "",
-                  "| method | " + " | ".join(SD_COLUMNS.values()) + " |", "|---|" + "---|" * len(SD_COLUMNS)]
-        lines += [f"| {method} | " + " | ".join(f"{r['sd'][k]:.1f}" for k in SD_COLUMNS) + " |"
-                  for method, r in results.items() if r.get("sd")]
-    lines += ["", f"![task-known AA after each task]({png.name})", ""]
-    text = "\n".join(lines)
-    out.write_text(text)
-    return text
+                  "share of pairs the old version retrieved whose image-text angle moved by at most 5°.", ""]
+        lines += report.table(["method", *SD_COLUMNS.values()],
+                              [[method, *(r["sd"][k] for k in SD_COLUMNS)] for method, r in results.items() if r.get("sd")])
+    lines += ["", f"![task-known AA after each task]({png.name})"]
+    return report.write(out, lines)
 
 
 def plot_methods(results: dict[str, dict], path: Path) -> Path:
@@ -221,9 +176,5 @@ def plot_methods(results: dict[str, dict], path: Path) -> Path:
     return path
 
 
-def _device(workers: int) -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()} ({torch.cuda.device_count()} GPUs), {workers} Ray Train workers"
-    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), {workers} Ray Train workers"
+if __name__ == "__main__":
+    main()

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from qdrant_client import QdrantClient
 
-from services.index import (
+from clipstream.index import (
     MODALITIES,
     PAYLOAD_INDEXES,
     EdgeIndex,
@@ -430,7 +430,7 @@ def test_normalize_per_task_merge(index):
 
 SEARCH_SCRIPT = """
 import json, sys, numpy as np
-from services.index import EdgeIndex, TaskVectors
+from clipstream.index import EdgeIndex, TaskVectors
 idx = EdgeIndex(sys.argv[1])
 if sys.argv[2] == "append":
     rng = np.random.default_rng(9)

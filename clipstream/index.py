@@ -1,6 +1,7 @@
 """Versioned vector index: per-task gallery embeddings tagged with the model version that made them.
 
-Two indexing policies (continual cross-modal retrieval, Wang et al.): **no-reindex** appends one task to the
+Two indexing policies ("Continual learning in cross-modal retrieval", Wang, Herranz and van de Weijer, CVPR
+Workshops 2021, arXiv:2104.06806): **no-reindex** appends one task to the
 serving generation and never touches older points; **reindex** builds generation g+1 with every task under
 one version, verifies it, switches atomically and drops g. Queries always read one published state, so a
 result never mixes generations. The policy logic lives in `VectorIndex`; `EdgeIndex` (embedded Qdrant Edge,
@@ -23,10 +24,13 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from tqdm import tqdm
 
+Policy = Literal["no-reindex", "reindex"]
+POLICIES: tuple[Policy, ...] = ("no-reindex", "reindex")
 MODALITIES = ("image", "text")
 PAYLOAD_INDEXES = {"task": "keyword", "modality": "keyword", "model_version": "keyword", "index_generation": "integer"}
 BATCH = 256  # points per upsert call

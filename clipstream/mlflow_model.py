@@ -2,6 +2,6 @@
 
 import mlflow
 
-from training.registry import ClipEmbedder
+from clipstream.registry import ClipEmbedder
 
 mlflow.models.set_model(ClipEmbedder())

@@ -1,19 +1,26 @@
-"""open_clip models by name: built-in or our small JSON architectures, pretrained tags, local checkpoints.
+"""The model bundle: open_clip models by name (built-in or our small JSON architectures, pretrained tags,
+local checkpoints), their export, and the one way to embed texts and images with them.
 
 Architectures are data (`model_configs/*.json`, registered with open_clip at import). A model version
 is exported in open_clip's own folder layout (`open_clip_config.json` + `open_clip_model.safetensors`),
 so stock open_clip loads it with `create_model_and_transforms("local-dir:DIR")`.
+
+Training, evaluation, the registry's pyfunc, the gRPC encoder, the indexing job and the benchmarks all
+embed through `ClipBundle.embed_texts` / `embed_images`, and read images through `load_image`.
 """
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import IO, Any, Callable, Optional, Sequence, Union
 
+import numpy as np
 import open_clip
 import torch
+from PIL import Image
 from open_clip.push_to_hf_hub import save_config_for_hf
 from safetensors.torch import save_file
 
@@ -44,6 +51,56 @@ class ClipBundle:
     @property
     def embed_dim(self) -> int:
         return int(self.model_cfg["embed_dim"])
+
+    def embed_texts(self, texts: Sequence[str], batch_size: int = 256) -> np.ndarray:
+        """Unit rows float32 [N, D] for `texts`, in batches of `batch_size`."""
+        texts = [str(t) for t in texts]
+        return self._embed(texts, batch_size, lambda chunk: self.model.encode_text(self.tokenizer(chunk).to(self.device),
+                                                                                   normalize=True))
+
+    def embed_images(self, images: Sequence[ImageSource], batch_size: int = 256) -> np.ndarray:
+        """Unit rows float32 [N, D] for images given as PIL images, encoded bytes or paths (`load_image`),
+        each decoded only when its batch is embedded."""
+        def encode(chunk):
+            pixels = torch.stack([self.preprocess_val(load_image(x)) for x in chunk])
+            return self.model.encode_image(pixels.to(device=self.device, dtype=self.dtype), normalize=True)
+        return self._embed(list(images), batch_size, encode)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @torch.no_grad()
+    def _embed(self, items: list, batch_size: int, encode: Callable) -> np.ndarray:
+        """Eval mode while embedding (dropout off), the caller's mode restored, so this can run between
+        training steps; open_clip normalises (`normalize=True`), once."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = [encode(items[s:s + batch_size]).float().cpu() for s in range(0, len(items), batch_size)]
+        finally:
+            self.model.train(was_training)
+        return torch.cat(out).numpy() if out else np.zeros((0, self.embed_dim), np.float32)
+
+
+ImageSource = Union[Image.Image, bytes, str, Path, IO[bytes]]
+
+
+def load_image(source: ImageSource) -> Image.Image:
+    """An RGB PIL image from a PIL image, encoded bytes (PNG, JPEG, ...), a path or a binary file object.
+    Decoding errors propagate (PIL's UnidentifiedImageError / OSError) for the caller to word."""
+    if isinstance(source, Image.Image):
+        return source.convert("RGB")
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        source = io.BytesIO(bytes(source))
+    with Image.open(source) as img:
+        return img.convert("RGB")
 
 
 def list_architectures() -> list[str]:
@@ -93,33 +150,3 @@ def export(bundle: ClipBundle, folder: str | Path) -> Path:
     return folder
 
 
-def download_registered(name: str, version: str, run_id: str, cache: Path, tracking_uri: Optional[str] = None) -> Path:
-    """The checkpoint folder of MLflow model version `models:/NAME/VERSION`, downloaded once into `cache`
-    (versions are immutable; the run id keys the cache so a recreated registry never reads stale files)."""
-    import shutil
-    import tempfile
-
-    import mlflow
-    from mlflow import MlflowClient
-
-    folder = Path(cache) / name / f"v{version}-{run_id}"
-    if not (folder / CONFIG_FILE).is_file():
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix="download-", dir=folder.parent))
-        source = MlflowClient(tracking_uri, registry_uri=tracking_uri).get_model_version_download_uri(name, version)
-        local = mlflow.artifacts.download_artifacts(f"{source.rstrip('/')}/artifacts/checkpoint", dst_path=str(staging),
-                                                    tracking_uri=tracking_uri)
-        shutil.rmtree(folder, ignore_errors=True)
-        Path(local).rename(folder)
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
-
-
-def prepare_for_deepspeed(model: torch.nn.Module) -> torch.nn.Module:
-    """DeepSpeed broadcasts parameters as bytes and cannot view a 0-dim tensor that way, so the
-    0-dim `logit_scale` becomes shape [1] while training (open_clip's maths broadcasts either way)."""
-    for name in ("logit_scale", "logit_bias"):
-        param = getattr(model, name, None)
-        if isinstance(param, torch.nn.Parameter) and param.dim() == 0:
-            setattr(model, name, torch.nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad))
-    return model

@@ -1,0 +1,12 @@
+"""Reproducible benchmarks, each a script under `benchmarks/` that writes its table (and plot) to
+`benchmarks/results/`, run as `clipstream bench NAME [OPTIONS]` or `python benchmarks/MODULE.py`.
+Every figure is measured side by side against its baseline in the same run."""
+
+# `clipstream bench NAME` -> the module that runs it (imported only when asked: they pull in Ray, DeepSpeed...)
+BENCHMARKS = {
+    "methods": "continual_methods",  # every continual method on one stream: AA, forgetting, BWT, step cost
+    "index-policy": "index_policy",  # no-reindex vs reindex through the vector index
+    "method-step": "method_step",  # each method's training step against finetune's, same batches
+    "train-throughput": "train_throughput",  # the task job against a plain PyTorch open_clip loop
+    "grpc-encode": "grpc_encode",  # gRPC encoding through Ray Serve against the in-process model
+}

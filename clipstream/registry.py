@@ -1,0 +1,237 @@
+"""The registry: one MLflow experiment and one registered model per stream, read and written by both
+sides (training registers versions; serving resolves and loads them; promotion moves aliases).
+
+Each task job is one run (params, live loss curves, evaluation, matrix row, heatmap) that registers
+one model version. The version's artifact is the open_clip export plus what the next task needs
+(method state, lineage of tasks seen, the R matrix so far), so a job on a fresh machine continues the
+stream from `models:/STREAM@ALIAS` or a version number alone. MLflow keeps no alias history, so every
+promotion is also a run, in the experiment `STREAM-promotions`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+import mlflow
+import mlflow.pyfunc
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+from clipstream import models
+from clipstream.settings import Settings
+
+PRODUCTION = "production"  # the alias serving follows
+CANDIDATE = "candidate"  # the alias every newly registered version gets
+MANIFEST = "clipstream.json"  # lineage, matrix and config inside each version's checkpoint folder
+ARTIFACT = "checkpoint"  # the pyfunc artifact that holds the open_clip folder
+VERSION_TAGS = ("task", "task_index", "method", "parent_version", "data_sha")
+PROMOTION_TAGS = ("from_version", "to_version", "reason", "user", "time", "forced", "gates")
+
+
+class RegistryError(LookupError):
+    """A model reference that does not resolve, with the reason."""
+
+
+class ClipEmbedder(mlflow.pyfunc.PythonModel):
+    """The registered artifact as an MLflow pyfunc: captions in, L2-normalised text embeddings out."""
+
+    def load_context(self, context):
+        self.bundle = models.load_exported(context.artifacts[ARTIFACT])
+
+    def predict(self, context, model_input: list[str], params=None) -> list[list[float]]:
+        return self.bundle.embed_texts(list(model_input)).tolist()
+
+
+@dataclass
+class Version:
+    """A registered model version; `folder` and `manifest` once its checkpoint folder is downloaded."""
+
+    version: str
+    tags: dict[str, str]
+    run_id: str
+    aliases: list[str]
+    created_ms: int = 0
+    folder: Optional[Path] = None
+    manifest: dict = field(default_factory=dict)
+
+    @property
+    def lineage(self) -> list[dict]:
+        return self.manifest.get("lineage", [])
+
+    @property
+    def tasks(self) -> list[str]:
+        """The tasks this version was trained through, in order (from the tag: no download needed)."""
+        names = self.tags.get("lineage_tasks")
+        return names.split(",") if names else [e["task"] for e in self.lineage]
+
+
+class Registry:
+    """Versions, aliases, tags, lineage and promotion history of the stream `settings.stream`.
+
+    `alias_ttl_s` > 0 caches alias lookups in `number()` for that long (serving asks on every request;
+    an alias move is then seen within that time); version numbers never change meaning, so a number
+    found once is never asked again."""
+
+    def __init__(self, settings: Settings, alias_ttl_s: float = 0.0):
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per tiny file is noise
+        self.settings = settings
+        self.name = settings.stream
+        self.tracking_uri = settings.mlflow_tracking_uri
+        if settings.embedded_registry:
+            Path(self.tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        mlflow.set_tracking_uri(self.tracking_uri)
+        self.client = MlflowClient(self.tracking_uri, registry_uri=self.tracking_uri)
+        self.alias_ttl_s = alias_ttl_s
+        self._aliases: dict[str, tuple[float, str]] = {}
+        self._numbers: set[str] = set()
+
+    # ---- runs --------------------------------------------------------------------------------------------
+    def experiment_id(self, name: Optional[str] = None) -> str:
+        """The experiment `name` (default: the stream's), created on first use with artifacts beside the others."""
+        name = name or self.name
+        found = self.client.get_experiment_by_name(name)
+        if found:
+            return found.experiment_id
+        location = Path(self.settings.mlflow_artifact_root) / name if self.settings.embedded_registry else None
+        return self.client.create_experiment(name, artifact_location=location.absolute().as_uri() if location else None)
+
+    @contextmanager
+    def run(self, run_name: str, tags: dict[str, str]) -> Iterator[str]:
+        with mlflow.start_run(experiment_id=self.experiment_id(), run_name=run_name, tags=tags) as active:
+            yield active.info.run_id
+
+    def run_metrics(self, run_id: str) -> dict[str, float]:
+        return dict(self.client.get_run(run_id).data.metrics)
+
+    # ---- versions ----------------------------------------------------------------------------------------
+    def register(self, checkpoint: Path, tags: dict[str, str], alias: str = CANDIDATE) -> str:
+        """Log `checkpoint` as the active run's model, register it as the next version, tag it, alias it.
+        The lineage's task names also go in a tag, so serving can check its gallery without a download."""
+        lineage = json.loads((Path(checkpoint) / MANIFEST).read_text()).get("lineage", [])
+        tags = {**tags, "lineage_tasks": ",".join(e["task"] for e in lineage)}
+        info = mlflow.pyfunc.log_model(name="model", python_model=str(Path(__file__).with_name("mlflow_model.py")),
+                                       artifacts={ARTIFACT: str(checkpoint)}, pip_requirements=["clipstream"])
+        version = mlflow.register_model(info.model_uri, self.name, tags={k: str(v) for k, v in tags.items()}).version
+        self.set_alias(alias, str(version))
+        return str(version)
+
+    def resolve(self, ref: str | int, download: bool = True) -> Version:
+        """`models:/NAME@ALIAS`, `models:/NAME/3`, `@alias`, `3` or `alias` → the version, downloaded."""
+        text = str(ref).strip()
+        match = re.fullmatch(r"models:/([^/@]+)(?:@(.+)|/(\d+))", text)
+        name, alias, number = (match.groups() if match else (self.name, None, None))
+        if not match:
+            if text.isdigit():
+                number = str(int(text))
+            else:
+                alias = text.removeprefix("@")
+        if name != self.name:
+            raise RegistryError(f"{text}: this stream's registered model is {self.name!r}, not {name!r}")
+        if not (alias or number):
+            raise RegistryError("empty model reference: give a version number or an alias such as 'production'")
+        try:
+            mv = self.client.get_model_version_by_alias(name, alias) if alias else self.client.get_model_version(name, number)
+        except MlflowException as exc:
+            raise RegistryError(f"{text}: no such model version in {name!r} ({exc.error_code})") from exc
+        version = Version(str(mv.version), dict(mv.tags), mv.run_id, list(mv.aliases), int(mv.creation_timestamp or 0))
+        if download:
+            version.folder = self.download(version.version, version.run_id)
+            version.manifest = json.loads((version.folder / MANIFEST).read_text())
+        return version
+
+    def number(self, ref: str = PRODUCTION) -> str:
+        """The version number `ref` (a number, or an alias; '' = production) names now, cheaply: this is
+        serving's per-request lookup (see `alias_ttl_s`)."""
+        ref = (ref or PRODUCTION).strip()
+        if ref.isdigit():
+            ref = str(int(ref))
+            if ref not in self._numbers:
+                self.resolve(ref, download=False)
+                self._numbers.add(ref)
+            return ref
+        seen = self._aliases.get(ref)
+        if seen and time.monotonic() - seen[0] < self.alias_ttl_s:
+            return seen[1]
+        version = self.resolve(ref, download=False).version
+        self._aliases[ref] = (time.monotonic(), version)
+        return version
+
+    def versions(self) -> list[Version]:
+        """Every registered version, oldest first, with its aliases."""
+        try:  # search results leave `aliases` empty: the registered model holds them
+            aliases = self.client.get_registered_model(self.name).aliases  # {alias: version}
+            found = self.client.search_model_versions(f"name = '{self.name}'")
+        except MlflowException:
+            return []
+        return sorted((Version(str(v.version), dict(v.tags), v.run_id,
+                               sorted(a for a, n in aliases.items() if str(n) == str(v.version)),
+                               int(v.creation_timestamp or 0)) for v in found),
+                      key=lambda v: int(v.version))
+
+    def download(self, version: str, run_id: str) -> Path:
+        """The checkpoint folder of `version`, downloaded once into HOME/cache (versions are immutable;
+        the run id keys the cache so a recreated registry never reads stale files)."""
+        folder = self.settings.home / "cache" / self.name / f"v{version}-{run_id}"
+        if not (folder / models.CONFIG_FILE).is_file():
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix="download-", dir=folder.parent))
+            source = self.client.get_model_version_download_uri(self.name, version)
+            local = mlflow.artifacts.download_artifacts(f"{source.rstrip('/')}/artifacts/{ARTIFACT}",
+                                                        dst_path=str(staging), tracking_uri=self.tracking_uri)
+            shutil.rmtree(folder, ignore_errors=True)
+            Path(local).rename(folder)
+            shutil.rmtree(staging, ignore_errors=True)
+        return folder
+
+    def load(self, ref: str | int) -> models.ClipBundle:
+        """The version's model bundle, in eval mode."""
+        bundle = models.load_exported(self.resolve(ref).folder)
+        bundle.model.eval()
+        return bundle
+
+    def set_alias(self, alias: str, version: str) -> None:
+        self.client.set_registered_model_alias(self.name, alias, str(version))
+        self._aliases.pop(alias, None)
+
+    def set_tags(self, version: str, tags: dict[str, object]) -> None:
+        for key, value in tags.items():
+            self.client.set_model_version_tag(self.name, str(version), key, str(value))
+
+    # ---- promotion history -------------------------------------------------------------------------------
+    @property
+    def promotions_experiment(self) -> str:
+        return f"{self.name}-promotions"
+
+    def record_promotion(self, record: dict) -> str:
+        """One finished run per promotion, its fields (PROMOTION_TAGS) as tags; `gates` a JSON-ready list."""
+        tags = {k: json.dumps(v) if k == "gates" else str(v) for k, v in record.items() if k in PROMOTION_TAGS}
+        before = f"v{record['from_version']}" if record["from_version"] else "none"
+        name = f"{record['reason']} {before} -> v{record['to_version']}"
+        run = self.client.create_run(self.experiment_id(self.promotions_experiment), tags=tags, run_name=name)
+        self.client.set_terminated(run.info.run_id)
+        return run.info.run_id
+
+    def promotions(self) -> list[dict]:
+        """Every recorded promotion, oldest first: PROMOTION_TAGS (`forced` a bool, `gates` a list) + run_id."""
+        found = self.client.get_experiment_by_name(self.promotions_experiment)
+        if not found:
+            return []
+        runs, token = [], None
+        while True:
+            page = self.client.search_runs([found.experiment_id], max_results=1000, page_token=token)
+            runs += page
+            token = page.token
+            if not token:
+                break
+        records = [{**{k: r.data.tags.get(k, "") for k in PROMOTION_TAGS}, "forced": r.data.tags.get("forced") == "True",
+                    "gates": json.loads(r.data.tags.get("gates", "[]")), "run_id": r.info.run_id} for r in runs]
+        return sorted(records, key=lambda r: r["time"])

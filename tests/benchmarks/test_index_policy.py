@@ -1,0 +1,20 @@
+"""`clipstream bench index-policy`: the report from hand-made scores."""
+
+from clipstream.benchmarks import index_policy as bench
+
+TASKS = ["t0", "t1", "t2"]
+
+
+def test_index_policy_report_has_each_policy_per_task_and_their_mean(tmp_path):
+    def scores(base):
+        return {mode: {t: {c: base + i + (mode == "unknown") * 10 for c in bench.COLUMNS} for i, t in enumerate(TASKS)}
+                for mode in ("known", "unknown")}
+
+    results = {"reindex": scores(30.0), "no-reindex": scores(20.0)}
+    out = tmp_path / "ip.md"
+    text = bench.index_policy_report(results, TASKS, 3, 0, "modx", ["train.epochs=2"], out)
+    assert "`clipstream bench index-policy --tasks 3 --seed 0 --method modx --set train.epochs=2 --out " + str(out) + "`" in text
+    assert "| reindex | t1 | 31.0 | 31.0 | 31.0 | 31.0 |" in text
+    assert "| no-reindex | mean | 21.0 | 21.0 | 21.0 | 21.0 |" in text  # (20 + 21 + 22) / 3
+    unknown = text.split("## Task-unknown")[1]
+    assert "| no-reindex | mean | 31.0 |" in unknown and "| reindex | t2 | 42.0 |" in unknown

@@ -1,0 +1,117 @@
+"""The model bundle: models by name, exports that stock open_clip loads, and the one embed path."""
+
+import io
+
+import numpy as np
+import open_clip
+import pytest
+import torch
+from PIL import Image
+
+from clipstream import models
+from clipstream.training.engine import prepare_for_deepspeed
+
+
+def _inputs(bundle):
+    images = torch.stack([bundle.preprocess_val(Image.new("RGB", (40, 40), c)) for c in ("red", "navy")])
+    return images, bundle.tokenizer(["a red cup", "a navy lamp on a striped background"])
+
+
+def test_our_architectures_are_registered_with_open_clip():
+    assert {"clipstream-vit-tiny", "clipstream-vit-small"} <= set(open_clip.list_models())
+    bundle = models.create("clipstream-vit-tiny")
+    assert bundle.image_size == 32 and bundle.embed_dim == 64
+    assert bundle.tokenizer(["a cup"]).shape == (1, 32)  # context length comes from our JSON config
+
+
+def test_export_loads_in_stock_open_clip_with_identical_embeddings(tmp_path):
+    torch.manual_seed(0)
+    bundle = models.create("clipstream-vit-tiny")
+    prepare_for_deepspeed(bundle.model)  # as after training
+    with torch.no_grad():
+        bundle.model.logit_scale.fill_(2.5)
+    models.export(bundle, tmp_path / "v1")
+
+    stock, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{tmp_path / 'v1'}")
+    tokenizer = open_clip.get_tokenizer(f"local-dir:{tmp_path / 'v1'}")
+    assert stock.logit_scale.dim() == 0 and float(stock.logit_scale.detach()) == pytest.approx(2.5)
+    images, texts = _inputs(bundle)
+    assert torch.equal(tokenizer(["a red cup"]), bundle.tokenizer(["a red cup"]))
+    bundle.model.eval(), stock.eval()
+    with torch.no_grad():
+        assert torch.allclose(stock.encode_image(images), bundle.model.encode_image(images), atol=1e-6)
+        assert torch.allclose(stock.encode_text(texts), bundle.model.encode_text(texts), atol=1e-6)
+
+
+def test_create_from_a_checkpoint_file_and_from_an_export_folder(tmp_path):
+    torch.manual_seed(1)
+    bundle = models.create("clipstream-vit-tiny")
+    torch.save(bundle.model.state_dict(), tmp_path / "ckpt.pt")
+    from_file = models.create("clipstream-vit-tiny", str(tmp_path / "ckpt.pt"))
+    models.export(bundle, tmp_path / "export")
+    from_folder = models.create("ignored-when-a-folder-is-given", str(tmp_path / "export"))
+    for other in (from_file, from_folder):
+        for (name, a), (_, b) in zip(bundle.model.state_dict().items(), other.model.state_dict().items()):
+            assert torch.equal(a.reshape(-1), b.reshape(-1)), name
+    assert from_folder.arch == "clipstream-vit-tiny"
+
+
+def test_bad_references_give_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown architecture 'no-such-arch'"):
+        models.create("no-such-arch")
+    with pytest.raises(ValueError, match="neither a checkpoint file nor a pretrained tag"):
+        models.create("clipstream-vit-tiny", str(tmp_path / "missing.pt"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="open_clip_config.json missing"):
+        models.load_exported(tmp_path / "empty")
+
+
+def _images(tmp_path):
+    """Five image files, the first grayscale (embedding must convert it to RGB)."""
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(5):
+        mode = "L" if i == 0 else "RGB"
+        shape = (40, 48) if mode == "L" else (40, 48, 3)
+        Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode).save(tmp_path / f"{i}.png")
+        paths.append(tmp_path / f"{i}.png")
+    return paths
+
+
+def test_embed_equals_open_clip_direct_encoding_batched_or_not(tmp_path):
+    torch.manual_seed(0)
+    bundle = models.create("clipstream-vit-tiny")
+    paths = _images(tmp_path)
+    captions = ["a red dress", "a blue car", "a cat on a mat", "two dogs", "a red dress"]
+
+    bundle.model.train()
+    img, txt = bundle.embed_images(paths, batch_size=2), bundle.embed_texts(captions, batch_size=2)
+    assert bundle.model.training  # the caller's mode is restored (embedding runs in eval mode)
+    assert img.shape == txt.shape == (5, 64) and img.dtype == txt.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(img, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(txt, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_array_equal(txt[0], txt[4])  # identical captions embed identically
+
+    bundle.model.eval()
+    with torch.no_grad():
+        pixels = torch.stack([bundle.preprocess_val(Image.open(p).convert("RGB")) for p in paths])
+        np.testing.assert_allclose(img, bundle.model.encode_image(pixels, normalize=True).numpy(), atol=1e-5)
+        np.testing.assert_allclose(txt, bundle.model.encode_text(bundle.tokenizer(captions), normalize=True).numpy(),
+                                   atol=1e-5)
+    np.testing.assert_allclose(bundle.embed_images(paths, batch_size=256), img, atol=1e-6)  # batching changes nothing
+    np.testing.assert_array_equal(bundle.embed_images(paths, batch_size=2), img)  # deterministic
+    assert bundle.embed_texts([]).shape == (0, 64)
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        bundle.embed_texts(["a"], batch_size=0)
+
+
+def test_one_image_loader_for_paths_bytes_files_and_pil_images(tmp_path):
+    path = _images(tmp_path)[0]  # grayscale on disk
+    data = path.read_bytes()
+    loaded = [models.load_image(x) for x in (path, str(path), data, io.BytesIO(data), Image.open(path))]
+    assert all(im.mode == "RGB" and im.size == (48, 40) for im in loaded)
+    assert all(np.array_equal(np.asarray(loaded[0]), np.asarray(im)) for im in loaded[1:])
+    bundle = models.create("clipstream-vit-tiny")
+    np.testing.assert_array_equal(bundle.embed_images([path]), bundle.embed_images([data]))
+    with pytest.raises(OSError):  # PIL's UnidentifiedImageError: callers word it for their users
+        models.load_image(b"not an image")
