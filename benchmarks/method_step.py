@@ -25,15 +25,20 @@ from typing import Sequence
 
 import deepspeed
 import torch
-
-from clipstream import models
 from clipstream.benchmarks import report
 from clipstream.training import methods
 from clipstream.training.data.synth import synthesize
 from clipstream.training.data.task import Task
-from clipstream.training.engine import deepspeed_config, param_groups, prepare_for_deepspeed, train_step
+from clipstream.training.engine import (
+    deepspeed_config,
+    param_groups,
+    prepare_for_deepspeed,
+    train_step,
+)
 from clipstream.training.methods.base import TaskContext, frozen
 from clipstream.training.methods.config import method_presets, resolve
+
+from clipstream import models
 
 
 def batches(task: Task, bundle, size: int, count: int) -> list[dict]:

@@ -374,10 +374,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from clipstream.training.data.task import DataError
-    from clipstream.registry import RegistryError
-
     import grpc
+
+    from clipstream.registry import RegistryError
+    from clipstream.training.data.task import DataError
 
     try:
         args.func(args)

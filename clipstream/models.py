@@ -20,8 +20,8 @@ from typing import IO, Any, Callable, Optional, Sequence, Union
 import numpy as np
 import open_clip
 import torch
-from PIL import Image
 from open_clip.push_to_hf_hub import save_config_for_hf
+from PIL import Image
 from safetensors.torch import save_file
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
@@ -101,10 +101,6 @@ def load_image(source: ImageSource) -> Image.Image:
         source = io.BytesIO(bytes(source))
     with Image.open(source) as img:
         return img.convert("RGB")
-
-
-def list_architectures() -> list[str]:
-    return open_clip.list_models()
 
 
 def create(arch: str, pretrained: Optional[str] = None) -> ClipBundle:

@@ -33,7 +33,6 @@ PRODUCTION = "production"  # the alias serving follows
 CANDIDATE = "candidate"  # the alias every newly registered version gets
 MANIFEST = "clipstream.json"  # lineage, matrix and config inside each version's checkpoint folder
 ARTIFACT = "checkpoint"  # the pyfunc artifact that holds the open_clip folder
-VERSION_TAGS = ("task", "task_index", "method", "parent_version", "data_sha")
 PROMOTION_TAGS = ("from_version", "to_version", "reason", "user", "time", "forced", "gates")
 
 

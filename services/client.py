@@ -9,11 +9,17 @@ from typing import Iterable, Optional, Sequence
 
 import grpc
 import numpy as np
+from google.protobuf.json_format import MessageToDict
 from tqdm import tqdm
 
-from google.protobuf.json_format import MessageToDict
-
-from clipstream.v1 import admin_pb2, admin_pb2_grpc, encoder_pb2, encoder_pb2_grpc, search_pb2, search_pb2_grpc
+from clipstream.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    encoder_pb2,
+    encoder_pb2_grpc,
+    search_pb2,
+    search_pb2_grpc,
+)
 
 API_KEY_HEADER = "x-api-key"  # the metadata key the server checks when Settings.api_key is set
 

@@ -1,7 +1,8 @@
-"""Mod-X "spatial disorder" (SD) diagnostics between two model versions on a fixed probe set
-(shared/methods/mod-x.md §3).
+"""Mod-X "spatial disorder" (SD) diagnostics between two model versions on a fixed probe set, as defined
+in "Continual Vision-Language Representation Learning with Off-Diagonal Information" (Ni et al., ICML 2023,
+arXiv:2305.07437), §3.
 
-Why: Mod-X (Ni et al., ICML 2023) found that continual CLIP training rotates the embedding spaces from
+Why: Mod-X found that continual CLIP training rotates the embedding spaces from
 phase to phase: most samples move > 30 deg (large rotation angle, RAM) while pairwise angles inside a
 modality barely change (small self-angle change, theta_SAM). A rotation shared by both modalities keeps
 every cross-modal cosine, so retrieval survives it; what breaks retrieval is *relative* rotation of the

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_gather_single_autograd, wait_tensor
 import torch.nn.functional as F
+from torch.distributed._functional_collectives import (
+    all_gather_single_autograd,
+    wait_tensor,
+)
 
 
 def world() -> tuple[int, int]:

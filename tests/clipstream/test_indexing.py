@@ -5,16 +5,16 @@ import hashlib
 import shutil
 
 import pytest
-
-from clipstream.cli import main
-from clipstream.indexing import evaluate_through_index, index_task
-from clipstream.settings import Settings
-from clipstream.index import open_index
-from clipstream import models
 from clipstream.training import evaluate
 from clipstream.training.data.task import DataError, Task
 from clipstream.training.job import run_task
+
+from clipstream import models
+from clipstream.cli import main
+from clipstream.index import open_index
+from clipstream.indexing import evaluate_through_index, index_task
 from clipstream.registry import Registry
+from clipstream.settings import Settings
 
 FAST = ["train.epochs=2", "train.micro_batch=16", "train.max_failures=0"]
 

@@ -5,13 +5,13 @@ import getpass
 import shutil
 
 import pytest
+from clipstream.training.data.task import DataError, Task
 
 from clipstream.cli import main
-from clipstream.promotion import PromotionError, history, promote, rollback
 from clipstream.index import open_index
-from tests.conftest import register_version
-from clipstream.training.data.task import DataError, Task
+from clipstream.promotion import PromotionError, history, promote, rollback
 from clipstream.registry import Registry
+from tests.conftest import register_version
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ def set_production(settings, stub, version: str, timeout_s: float = 20.0) -> Non
     """Move alias `production` and wait until the Encoder serves it (it re-reads aliases every 2 s)."""
     import time
 
-    from clipstream.v1 import encoder_pb2
     from clipstream.registry import Registry
+    from clipstream.v1 import encoder_pb2
 
     registry = Registry(settings)
     registry.set_alias("production", version)
@@ -39,11 +39,11 @@ def png(colour) -> bytes:
 
 @pytest.fixture(scope="session")
 def served(ray_cluster, tmp_path_factory):
+    from clipstream.services import app
     from ray import serve
 
     from clipstream.settings import Settings
     from clipstream.v1 import encoder_pb2_grpc
-    from clipstream.services import app
 
     # no CPU reserved: the session's 2-CPU Ray cluster must still fit the training tests that follow
     settings = Settings(home=tmp_path_factory.mktemp("serve") / "home", grpc_port=_free_port(), serve_max_items=8,
@@ -68,9 +68,9 @@ COLOURS = ["red", "navy", "green", "yellow", "purple", "orange"]
 def indexed(served):
     """Two tasks of coloured squares indexed with version 1 (the production version)."""
     settings, channel, _, (v1, _) = served
-    from clipstream.v1 import search_pb2_grpc
     from clipstream.index import TaskVectors, open_index
     from clipstream.registry import Registry
+    from clipstream.v1 import search_pb2_grpc
 
     bundle = Registry(settings).load(v1)
     with open_index(settings) as index:

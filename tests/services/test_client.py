@@ -6,7 +6,6 @@ import time
 import grpc
 import numpy as np
 import pytest
-
 from clipstream.services.client import Client
 
 

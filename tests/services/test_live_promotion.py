@@ -9,15 +9,15 @@ import time
 
 import grpc
 import pytest
+from clipstream.services import app
+from clipstream.services.client import Client
+from clipstream.training.data.task import Task
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clipstream.promotion import promote
 from clipstream.settings import Settings
 from clipstream.v1 import admin_pb2, admin_pb2_grpc, encoder_pb2, encoder_pb2_grpc
-from clipstream.services import app
-from clipstream.services.client import Client
 from tests.conftest import register_version
-from clipstream.training.data.task import Task
 
 KEY = "s3cret-key"
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from clipstream.v1 import search_pb2
 from clipstream.index import open_index
+from clipstream.v1 import search_pb2
 from tests.services.conftest import png
 
 

@@ -1,10 +1,9 @@
-"""Mod-X spatial-disorder diagnostics (shared/methods/mod-x.md §3 testable properties)."""
+"""Mod-X spatial-disorder diagnostics (the properties of Ni et al., arXiv:2305.07437, §3)."""
 
 import math
 
 import numpy as np
 import pytest
-
 from clipstream.training.diagnostics import (
     RAM_EDGES,
     SAM_EDGES,

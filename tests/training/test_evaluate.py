@@ -2,9 +2,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
-from PIL import Image
-
 from clipstream.training.evaluate import (
     KS,
     Embedded,
@@ -14,6 +11,7 @@ from clipstream.training.evaluate import (
     recall_at_k,
     retrieval_metrics,
 )
+from PIL import Image
 
 
 def unit_rows(n, d, seed):

@@ -3,10 +3,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from clipstream.training.losses import clip_loss
 from open_clip.loss import ClipLoss
 
 from tests.conftest import on_gloo
-from clipstream.training.losses import clip_loss
 
 
 def _features(n=8, d=16, seed=0):

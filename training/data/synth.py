@@ -1,8 +1,9 @@
 """Deterministic synthetic continual-learning benchmark (a CPU stand-in for P9D).
 
-Why: CTP's P9D stream (methods/ctp.md §7) is a sequence of product domains with disjoint object
+Why: CTP's P9D stream (Zhu et al., ICCV 2023, arXiv:2308.07146) is a sequence of product domains with disjoint object
 vocabularies whose images and captions still share attributes and words. That regime is what lets
-knowledge transfer between tasks and be forgotten (DESIGN.md, "Caution"). Here every domain task
+knowledge transfer between tasks and be forgotten: a probe with fully disjoint tasks forgot under every
+method, and distillation only helps when new data still says something about old tasks. Here every domain task
 draws its own figure classes in its own visual style, while colour, size, position and background
 words are the same in all tasks. Task sizes follow the P9D shares, and class counts are long-tailed
 (a plateau, then a decay to about 1/10). A last task of real handwritten digits (scikit-learn's
@@ -22,7 +23,7 @@ import yaml
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
-P9D_SHARES = (0.217, 0.233, 0.040, 0.037, 0.067, 0.085, 0.090, 0.098, 0.132)  # task-size shares, ctp.md §7
+P9D_SHARES = (0.217, 0.233, 0.040, 0.037, 0.067, 0.085, 0.090, 0.098, 0.132)  # task-size shares of P9D (CTP's dataset table)
 
 DOMAINS = {
     "household": ("cup", "lamp", "broom", "bucket", "kettle", "clock", "candle", "vase"),

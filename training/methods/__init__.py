@@ -1,6 +1,12 @@
 """Continual-learning methods by name, and the presets that configure and compose them."""
 
-from clipstream.training.methods.base import Features, Method, Stack, TaskContext, forward_features
+from clipstream.training.methods.base import (
+    Features,
+    Method,
+    Stack,
+    TaskContext,
+    forward_features,
+)
 from clipstream.training.methods.config import method_presets, resolve
 from clipstream.training.methods.ctp import CTP
 from clipstream.training.methods.er import ER

@@ -1,4 +1,6 @@
-"""CTP (ctp.md §2), adapted to CLIP as the card says (no MLM terms; fixed τ in its own terms):
+"""CTP, from "CTP: Towards Vision-Language Continual Pretraining via Compatible Momentum Contrast and
+Topology Preservation" (Zhu et al., ICCV 2023, arXiv:2308.07146), adapted from its ALBEF-style model to
+CLIP (no MLM terms; a fixed τ in its own terms):
 
 - a compatible momentum model M, reset to θ(t-1) at each task start and updated every step before its
   forward pass, θc ← m·θc + (1−m)/2·θ(t−1) + (1−m)/2·θt (on the first task, with no θ(t−1), a plain
@@ -15,7 +17,6 @@ import copy
 
 import torch
 import torch.nn.functional as F
-
 from clipstream.training.losses import fill_positives, gather, positive_columns, row_kl
 from clipstream.training.methods.base import Method, forward_features, frozen
 

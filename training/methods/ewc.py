@@ -1,5 +1,5 @@
 """EWC: importance = diagonal Fisher, the mean squared gradient of the CLIP loss at the end of the task;
-merged as a running mean over tasks, Ω ← ((t-1)·Ω + Ω_new)/t (ctp.md §4)."""
+merged as a running mean over tasks, Ω ← ((t-1)·Ω + Ω_new)/t (CTP's EWC baseline, Zhu et al., ICCV 2023, arXiv:2308.07146)."""
 
 from clipstream.training.losses import clip_loss
 from clipstream.training.methods.importance import Importance

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from clipstream.training.methods.base import Method, TaskContext, forward_features, trainable
+from clipstream.training.methods.base import (
+    Method,
+    TaskContext,
+    forward_features,
+    trainable,
+)
 
 
 class Importance(Method):

@@ -1,9 +1,8 @@
 """LwF: distil the previous model's outputs on the new task's data. As CTP's LwF baseline for a
-feature encoder (ctp.md §4): per tower, KL(softmax(teacher_raw/T) || softmax(student_raw/T)) over the
+feature encoder (CTP, Zhu et al., ICCV 2023, arXiv:2308.07146, baselines): per tower, KL(softmax(teacher_raw/T) || softmax(student_raw/T)) over the
 feature dimensions of the pre-normalisation features, ×T² as in Hinton's distillation."""
 
 import torch
-
 from clipstream.training.losses import row_kl
 from clipstream.training.methods.base import Method
 

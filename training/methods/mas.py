@@ -1,6 +1,6 @@
 """MAS: importance = mean |gradient| of the squared L2 norm of the *pre-normalisation* features (a
 normalised vector's norm is constant, so it has no gradient); accumulated, Ω ← Ω + Ω_new
-(continual-cross-modal-retrieval.md §2)."""
+(as in "Continual learning in cross-modal retrieval", Wang et al., arXiv:2104.06806)."""
 
 from clipstream.training.methods.importance import Importance
 

@@ -1,4 +1,5 @@
-"""Mod-X (mod-x.md §2): distil the previous model's whole row distribution of the image-text cosine
+"""Mod-X ("Continual Vision-Language Representation Learning with Off-Diagonal Information", Ni et al.,
+ICML 2023, arXiv:2305.07437): distil the previous model's whole row distribution of the image-text cosine
 matrix, off-diagonal entries included, in both directions:
 
     L = L_CLIP + α/2 · [KL_mask(S, S') + KL_mask(Sᵀ, S'ᵀ)],   KL_mask = Σ_i m_i KL(softmax(S'_i) || softmax(S_i))
@@ -9,8 +10,13 @@ over ranks is the single-process sum; ×world_size because DeepSpeed averages th
 """
 
 import torch
-
-from clipstream.training.losses import fill_positives, gather, positive_columns, row_kl, world
+from clipstream.training.losses import (
+    fill_positives,
+    gather,
+    positive_columns,
+    row_kl,
+    world,
+)
 from clipstream.training.methods.base import Method
 
 
@@ -24,7 +30,7 @@ def modx_distill(img, txt, t_img, t_txt, mask_diagonal: bool = False) -> torch.T
     for s_rows, s_cols, t_rows, t_cols in ((img, gather(txt), t_img, all_t_txt), (txt, gather(img), t_txt, all_t_img)):
         student, target = s_rows @ s_cols.T, t_rows @ t_cols.T
         keep = (target.argmax(dim=1) == own).float()  # the teacher's own answer, before any masking
-        if mask_diagonal:  # the card's untested variant: renormalise without j = i
+        if mask_diagonal:  # a variant the paper does not test: renormalise without j = i
             student, target = fill_positives(student, -1000.0), fill_positives(target, -1000.0)
         total = total + (keep * row_kl(target, student)).sum()
     return world()[1] * total / 2

@@ -2,7 +2,6 @@
 import copy
 
 import pytest
-
 from clipstream.training.methods.config import load_presets, merge, resolve
 
 CUSTOM = {

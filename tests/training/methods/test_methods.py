@@ -1,4 +1,4 @@
-"""The checklists of the method cards that apply to CLIP: each term's algebra on hand-made features and
+"""What the papers specify of each method that applies to CLIP: each term's algebra on hand-made features and
 on a real tiny open_clip model, without Ray (the end-to-end streams are in test_streams.py)."""
 
 import copy
@@ -9,8 +9,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
-from clipstream import models
 from clipstream.training.data.task import Task
 from clipstream.training.engine import prepare_for_deepspeed
 from clipstream.training.losses import clip_loss, fill_positives
@@ -20,6 +18,8 @@ from clipstream.training.methods.ctp import CTP, Queue, cmc_loss, topology_losse
 from clipstream.training.methods.er import ER, REPLAY, reservoir
 from clipstream.training.methods.lwf import lwf_distill
 from clipstream.training.methods.modx import modx_distill
+
+from clipstream import models
 
 
 def unit(n=8, d=16, seed=0, grad=False):
@@ -88,8 +88,8 @@ def test_distillation_terms_vanish_with_zero_gradient_when_student_is_teacher():
     assert float(topology_losses(img, txt, other, txt.detach(), 0.07)[0]) > 0
 
 
-def _card_modx(img, txt, t_img, t_txt):
-    """mod-x.md §2's pseudocode, literally (single process)."""
+def _paper_modx(img, txt, t_img, t_txt):
+    """Mod-X's loss as the paper writes it (Ni et al., arXiv:2305.07437, §4), literally (single process)."""
     y = torch.arange(len(img))
     S, S0 = img @ txt.T, t_img @ t_txt.T
 
@@ -102,7 +102,7 @@ def _card_modx(img, txt, t_img, t_txt):
     return (kl(S, S0) + kl(S.T, S0.T)) / 2
 
 
-def test_modx_equals_the_cards_pseudocode_and_keeps_only_rows_the_teacher_gets_right():
+def test_modx_equals_the_papers_loss_and_keeps_only_rows_the_teacher_gets_right():
     img, txt = unit(seed=4, grad=True), unit(seed=5, grad=True)
     t_img = F.normalize(torch.eye(8, 16), dim=-1)
     assert float(modx_distill(img, txt, t_img, t_img.roll(1, 0))) == 0.0  # teacher wrong on every row
@@ -113,11 +113,11 @@ def test_modx_equals_the_cards_pseudocode_and_keeps_only_rows_the_teacher_gets_r
     i2t_ok, t2i_ok = sims.argmax(1) == torch.arange(8), sims.T.argmax(1) == torch.arange(8)
     assert not torch.equal(i2t_ok, t2i_ok)  # the two directions keep different rows
     ours = modx_distill(img, txt, t_img, t_txt)
-    card = _card_modx(img, txt, t_img, t_txt)
-    assert torch.allclose(ours, card, atol=1e-6) and float(ours) > 0
+    paper = _paper_modx(img, txt, t_img, t_txt)
+    assert torch.allclose(ours, paper, atol=1e-6) and float(ours) > 0
     g_ours = torch.autograd.grad(ours, [img, txt])
-    g_card = torch.autograd.grad(_card_modx(img, txt, t_img, t_txt), [img, txt])
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g_ours, g_card))
+    g_paper = torch.autograd.grad(_paper_modx(img, txt, t_img, t_txt), [img, txt])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g_ours, g_paper))
 
 
 def test_modx_is_invariant_to_batch_order_and_a_shared_rotation():
@@ -218,7 +218,7 @@ def test_topology_suppresses_the_diagonal_before_temperature():
     assert plain.diagonal().min() > 0.5  # without suppression self-similarity dominates
 
 
-def test_importances_are_nonnegative_and_merge_as_the_cards_say(pair):
+def test_importances_are_nonnegative_and_merge_as_the_papers_say(pair):
     student, teacher, batch = pair
     for name in ("ewc", "mas"):
         model = copy.deepcopy(student)
