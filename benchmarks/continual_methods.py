@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
+from matplotlib.figure import Figure
+
 from clipstream.benchmarks import report
+from clipstream.registry import Registry
+from clipstream.settings import Settings
 from clipstream.training.data.synth import synthesize
 from clipstream.training.job import run_task
 from clipstream.training.methods.config import load_presets, method_presets, resolve
-from matplotlib.figure import Figure
-
-from clipstream.registry import Registry
-from clipstream.settings import Settings
 
 
 def seeded(seed: int) -> list[str]:

@@ -26,15 +26,15 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from clipstream.benchmarks import report
-from clipstream.services import app
-from clipstream.services.client import Client
-from clipstream.training.job import init_ray
 from PIL import Image
 
 from clipstream import models
+from clipstream.benchmarks import report
 from clipstream.registry import MANIFEST, PRODUCTION, Registry
+from clipstream.services import app
+from clipstream.services.client import Client
 from clipstream.settings import Settings
+from clipstream.training.job import init_ray
 
 
 def register(settings: Settings, arch: str) -> str:

@@ -14,15 +14,14 @@ from typing import Iterable, Sequence
 
 from clipstream.benchmarks import report
 from clipstream.benchmarks.continual_methods import add_training_arguments, seeded
-from clipstream.training import evaluate
-from clipstream.training.data.synth import synthesize
-from clipstream.training.data.task import Task
-from clipstream.training.job import run_task
-
 from clipstream.index import POLICIES, open_index
 from clipstream.indexing import evaluate_through_index, index_task
 from clipstream.registry import Registry
 from clipstream.settings import Settings
+from clipstream.training import evaluate
+from clipstream.training.data.synth import synthesize
+from clipstream.training.data.task import Task
+from clipstream.training.job import run_task
 
 COLUMNS = ("i2t_R@1", "i2t_R@10", "t2i_R@1", "t2i_R@10")
 

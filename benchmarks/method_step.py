@@ -25,6 +25,8 @@ from typing import Sequence
 
 import deepspeed
 import torch
+
+from clipstream import models
 from clipstream.benchmarks import report
 from clipstream.training import methods
 from clipstream.training.data.synth import synthesize
@@ -37,8 +39,6 @@ from clipstream.training.engine import (
 )
 from clipstream.training.methods.base import TaskContext, frozen
 from clipstream.training.methods.config import method_presets, resolve
-
-from clipstream import models
 
 
 def batches(task: Task, bundle, size: int, count: int) -> list[dict]:

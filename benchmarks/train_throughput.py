@@ -20,16 +20,16 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from clipstream.benchmarks import report
-from clipstream.training.data.synth import synthesize
-from clipstream.training.data.task import Task
-from clipstream.training.job import run_task
 from open_clip.loss import ClipLoss
 from torch.utils.data import DataLoader, Dataset
 
 from clipstream import models
+from clipstream.benchmarks import report
 from clipstream.registry import Registry
 from clipstream.settings import Settings
+from clipstream.training.data.synth import synthesize
+from clipstream.training.data.task import Task
+from clipstream.training.job import run_task
 
 
 class Pairs(Dataset):

@@ -7,12 +7,13 @@ import os
 import time
 
 import grpc
-from clipstream.services.encoder import Encoder
-from clipstream.services.search import Search
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ray import serve
 from ray.serve.config import gRPCOptions
 from ray.serve.generated import serve_pb2, serve_pb2_grpc
+
+from clipstream.services.encoder import Encoder
+from clipstream.services.search import Search
 
 APP = "clipstream"
 SERVICES = ("clipstream.v1.Encoder", "clipstream.v1.Search", "clipstream.v1.Admin")

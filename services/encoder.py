@@ -18,12 +18,12 @@ from collections import defaultdict
 import grpc
 import numpy as np
 import torch
-from clipstream.services.client import API_KEY_HEADER
 from PIL import UnidentifiedImageError
 from ray import serve
 
 from clipstream.models import load_image
 from clipstream.registry import Registry, RegistryError
+from clipstream.services.client import API_KEY_HEADER
 from clipstream.v1 import admin_pb2, encoder_pb2, search_pb2
 
 

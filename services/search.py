@@ -13,11 +13,11 @@ from datetime import datetime, timezone
 
 import grpc
 import numpy as np
-from clipstream.services.encoder import RequestError
 from ray import serve
 
 from clipstream.index import MAX_K, MODALITIES, VectorIndexError, open_index
 from clipstream.registry import PRODUCTION, Registry, RegistryError
+from clipstream.services.encoder import RequestError
 from clipstream.v1 import admin_pb2, search_pb2
 
 

@@ -10,10 +10,10 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
-    from clipstream.services.app import serving_environment
-    from clipstream.training.job import init_ray
 
+    from clipstream.services.app import serving_environment
     from clipstream.settings import Settings
+    from clipstream.training.job import init_ray
 
     serving_environment()  # the tests serve with the settings `clipstream serve` uses
     init_ray(Settings(ray_address=None), num_cpus=2)
@@ -51,10 +51,10 @@ def register_version(settings, seed: int, alias: str | None = None, task_dirs=()
 
     import mlflow
     import torch
-    from clipstream.training.data.task import Task
 
     from clipstream import models
     from clipstream.registry import MANIFEST, Registry
+    from clipstream.training.data.task import Task
 
     torch.manual_seed(seed)
     tasks = [Task.load(d) for d in task_dirs]

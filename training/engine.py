@@ -19,11 +19,11 @@ from pathlib import Path
 import deepspeed
 import ray.train
 import torch
+
+from clipstream import models
 from clipstream.training import methods
 from clipstream.training.losses import clip_loss
 from clipstream.training.methods.base import TaskContext, forward_features, frozen
-
-from clipstream import models
 
 STATE_FILE = "train_state.json"
 METHOD_STATE_FILE = "method_state.pt"

@@ -24,10 +24,6 @@ import numpy as np
 import ray
 import ray.data
 import torch
-from clipstream.training import diagnostics, evaluate, methods
-from clipstream.training.data.reader import training_dataset
-from clipstream.training.data.task import DataError, Task
-from clipstream.training.engine import EXPORT_DIR, METHOD_STATE_FILE, train_loop
 from ray.train import (
     CheckpointConfig,
     DataConfig,
@@ -40,6 +36,10 @@ from ray.train.torch import TorchTrainer
 from clipstream import models
 from clipstream.registry import MANIFEST, Registry, Version
 from clipstream.settings import Settings
+from clipstream.training import diagnostics, evaluate, methods
+from clipstream.training.data.reader import training_dataset
+from clipstream.training.data.task import DataError, Task
+from clipstream.training.engine import EXPORT_DIR, METHOD_STATE_FILE, train_loop
 
 
 @dataclass

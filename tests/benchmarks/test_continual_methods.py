@@ -2,10 +2,10 @@
 any training."""
 
 import pytest
-from clipstream.benchmarks import continual_methods as bench
-from clipstream.training.evaluate import ResultMatrix
 
+from clipstream.benchmarks import continual_methods as bench
 from clipstream.cli import main
+from clipstream.training.evaluate import ResultMatrix
 
 TASKS = ["t0", "t1", "t2"]
 

@@ -3,8 +3,8 @@
 import importlib
 
 import pytest
-from clipstream.benchmarks import BENCHMARKS, report
 
+from clipstream.benchmarks import BENCHMARKS, report
 from clipstream.cli import main
 
 

@@ -5,9 +5,6 @@ import hashlib
 import shutil
 
 import pytest
-from clipstream.training import evaluate
-from clipstream.training.data.task import DataError, Task
-from clipstream.training.job import run_task
 
 from clipstream import models
 from clipstream.cli import main
@@ -15,6 +12,9 @@ from clipstream.index import open_index
 from clipstream.indexing import evaluate_through_index, index_task
 from clipstream.registry import Registry
 from clipstream.settings import Settings
+from clipstream.training import evaluate
+from clipstream.training.data.task import DataError, Task
+from clipstream.training.job import run_task
 
 FAST = ["train.epochs=2", "train.micro_batch=16", "train.max_failures=0"]
 

@@ -6,10 +6,10 @@ import numpy as np
 import open_clip
 import pytest
 import torch
-from clipstream.training.engine import prepare_for_deepspeed
 from PIL import Image
 
 from clipstream import models
+from clipstream.training.engine import prepare_for_deepspeed
 
 
 def _inputs(bundle):

@@ -5,12 +5,12 @@ import getpass
 import shutil
 
 import pytest
-from clipstream.training.data.task import DataError, Task
 
 from clipstream.cli import main
 from clipstream.index import open_index
 from clipstream.promotion import PromotionError, history, promote, rollback
 from clipstream.registry import Registry
+from clipstream.training.data.task import DataError, Task
 from tests.conftest import register_version
 
 

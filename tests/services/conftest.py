@@ -39,9 +39,9 @@ def png(colour) -> bytes:
 
 @pytest.fixture(scope="session")
 def served(ray_cluster, tmp_path_factory):
-    from clipstream.services import app
     from ray import serve
 
+    from clipstream.services import app
     from clipstream.settings import Settings
     from clipstream.v1 import encoder_pb2_grpc
 

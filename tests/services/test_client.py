@@ -6,6 +6,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+
 from clipstream.services.client import Client
 
 

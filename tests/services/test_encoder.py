@@ -7,11 +7,11 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from clipstream.services import app
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
 from clipstream.registry import Registry
+from clipstream.services import app
 from clipstream.v1 import encoder_pb2
 from tests.services.conftest import png as _png
 from tests.services.conftest import set_production

@@ -9,13 +9,13 @@ import time
 
 import grpc
 import pytest
-from clipstream.services import app
-from clipstream.services.client import Client
-from clipstream.training.data.task import Task
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clipstream.promotion import promote
+from clipstream.services import app
+from clipstream.services.client import Client
 from clipstream.settings import Settings
+from clipstream.training.data.task import Task
 from clipstream.v1 import admin_pb2, admin_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 from tests.conftest import register_version
 

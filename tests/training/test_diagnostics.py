@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+
 from clipstream.training.diagnostics import (
     RAM_EDGES,
     SAM_EDGES,

@@ -1,14 +1,14 @@
 """The DeepSpeed JSON config built from a preset, and open_clip's weight-decay split."""
 
 import pytest
+
+from clipstream import models
 from clipstream.training.engine import (
     deepspeed_config,
     param_groups,
     prepare_for_deepspeed,
 )
 from clipstream.training.methods import resolve
-
-from clipstream import models
 
 
 def test_deepspeed_config_follows_the_preset():

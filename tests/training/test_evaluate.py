@@ -2,6 +2,8 @@ import json
 
 import numpy as np
 import pytest
+from PIL import Image
+
 from clipstream.training.evaluate import (
     KS,
     Embedded,
@@ -11,7 +13,6 @@ from clipstream.training.evaluate import (
     recall_at_k,
     retrieval_metrics,
 )
-from PIL import Image
 
 
 def unit_rows(n, d, seed):

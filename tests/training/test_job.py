@@ -3,14 +3,14 @@
 
 import pytest
 import torch
-from clipstream.training import evaluate
-from clipstream.training.data.task import DataError, Task
-from clipstream.training.job import run_task
 from mlflow import MlflowClient
 
 from clipstream import models
 from clipstream.cli import main
 from clipstream.registry import Registry, RegistryError
+from clipstream.training import evaluate
+from clipstream.training.data.task import DataError, Task
+from clipstream.training.job import run_task
 
 FAST = ["train.epochs=2", "train.micro_batch=16", "train.log_every=2", "train.max_failures=0"]
 

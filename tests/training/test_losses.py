@@ -3,9 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from clipstream.training.losses import clip_loss
 from open_clip.loss import ClipLoss
 
+from clipstream.training.losses import clip_loss
 from tests.conftest import on_gloo
 
 

@@ -14,11 +14,11 @@ import numpy as np
 import open_clip
 import ray.data
 import torch
-from clipstream.training.data.task import DataError, Task, image_source
 
 from clipstream.models import (
     load_image,  # (importing clipstream.models registers our architectures' tokenizers)
 )
+from clipstream.training.data.task import DataError, Task, image_source
 
 
 @lru_cache(maxsize=4)

@@ -17,6 +17,7 @@ import copy
 
 import torch
 import torch.nn.functional as F
+
 from clipstream.training.losses import fill_positives, gather, positive_columns, row_kl
 from clipstream.training.methods.base import Method, forward_features, frozen
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+
 from clipstream.training.data.task import Task
 from clipstream.training.methods.base import Method
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from clipstream.training.methods.base import (
     Method,
     TaskContext,

@@ -3,6 +3,7 @@ feature encoder (CTP, Zhu et al., ICCV 2023, arXiv:2308.07146, baselines): per t
 feature dimensions of the pre-normalisation features, ×T² as in Hinton's distillation."""
 
 import torch
+
 from clipstream.training.losses import row_kl
 from clipstream.training.methods.base import Method
 

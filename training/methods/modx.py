@@ -10,6 +10,7 @@ over ranks is the single-process sum; ×world_size because DeepSpeed averages th
 """
 
 import torch
+
 from clipstream.training.losses import (
     fill_positives,
     gather,

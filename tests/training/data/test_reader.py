@@ -9,11 +9,11 @@ import open_clip
 import pytest
 import ray.data
 import yaml
-from clipstream.training.data.reader import read_split, training_dataset
-from clipstream.training.data.task import DataError, Task
 from PIL import Image
 
 from clipstream import models
+from clipstream.training.data.reader import read_split, training_dataset
+from clipstream.training.data.task import DataError, Task
 
 ARCH = "clipstream-vit-tiny"
 

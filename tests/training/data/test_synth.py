@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from clipstream.training.data.synth import COLOURS, P9D_SHARES, POSITIONS, synthesize
 from PIL import Image
+
+from clipstream.training.data.synth import COLOURS, P9D_SHARES, POSITIONS, synthesize
 
 SMALL = {"tasks": 2, "train_pairs": 200, "test_per_task": 16, "image_size": 16, "progress": False}
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from clipstream.training.data.task import Check, DataError, Task
 from PIL import Image
+
+from clipstream.training.data.task import Check, DataError, Task
 
 COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30), (30, 200, 200), (200, 30, 200)]
 

@@ -2,6 +2,7 @@
 import copy
 
 import pytest
+
 from clipstream.training.methods.config import load_presets, merge, resolve
 
 CUSTOM = {

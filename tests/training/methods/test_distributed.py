@@ -5,10 +5,10 @@ each rank's gradient, averaged over ranks as DeepSpeed does, is the full-batch g
 import pytest
 import torch
 import torch.nn.functional as F
+
 from clipstream.training.methods.ctp import cmc_loss, topology_losses
 from clipstream.training.methods.lwf import lwf_distill
 from clipstream.training.methods.modx import modx_distill
-
 from tests.conftest import on_gloo
 
 N, D, WORLD = 8, 16, 2

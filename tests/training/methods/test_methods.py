@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+
+from clipstream import models
 from clipstream.training.data.task import Task
 from clipstream.training.engine import prepare_for_deepspeed
 from clipstream.training.losses import clip_loss, fill_positives
@@ -18,8 +20,6 @@ from clipstream.training.methods.ctp import CTP, Queue, cmc_loss, topology_losse
 from clipstream.training.methods.er import ER, REPLAY, reservoir
 from clipstream.training.methods.lwf import lwf_distill
 from clipstream.training.methods.modx import modx_distill
-
-from clipstream import models
 
 
 def unit(n=8, d=16, seed=0, grad=False):

@@ -3,11 +3,11 @@ DeepSpeed on 2 workers, and its state, registered with each version, carries int
 
 import pytest
 import torch
-from clipstream.training.data.task import Task
 from mlflow import MlflowClient
 
 from clipstream.cli import main
 from clipstream.registry import Registry
+from clipstream.training.data.task import Task
 
 FAST = ["train.epochs=1", "train.micro_batch=8", "train.log_every=1", "train.max_failures=0", "train.warmup_steps=1"]
 # (preset, ZeRO stage): teacher and momentum copies must stay outside every stage's optimizer
