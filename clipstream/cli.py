@@ -274,7 +274,8 @@ def _demo_serve(settings: Settings, version: str, dirs: list[Path]) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from clipstream.index import POLICIES
+    from clipstream.index import NO_REINDEX, POLICIES
+    from clipstream.registry import CANDIDATE
     from clipstream.training.methods.config import method_presets
 
     p = argparse.ArgumentParser(prog="clipstream", description=__doc__)
@@ -308,7 +309,7 @@ def parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
 
     ev = sub.add_parser("eval", help="evaluate a registered version on its tasks (or the given ones)")
-    ev.add_argument("--version", default="candidate")
+    ev.add_argument("--version", default=CANDIDATE, help=f"a version number or alias (default {CANDIDATE})")
     ev.add_argument("--task", action="append", default=[])
     ev.add_argument("--through-index", action="store_true",
                     help="rank the stored vectors (queries encoded by this version) instead of re-embedding galleries")
@@ -317,7 +318,7 @@ def parser() -> argparse.ArgumentParser:
     ix = sub.add_parser("index", help="embed a task's gallery with a version and store it in the vector index")
     ix.add_argument("--version", required=True, help="models:/STREAM@ALIAS, an alias or a version number")
     ix.add_argument("--task", required=True)
-    ix.add_argument("--policy", choices=POLICIES, default="no-reindex")
+    ix.add_argument("--policy", choices=POLICIES, default=NO_REINDEX, help=f"default {NO_REINDEX}")
     ix.add_argument("--split", default="test")
     ix.set_defaults(func=_index)
 

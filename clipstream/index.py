@@ -30,7 +30,9 @@ import numpy as np
 from tqdm import tqdm
 
 Policy = Literal["no-reindex", "reindex"]
-POLICIES: tuple[Policy, ...] = ("no-reindex", "reindex")
+NO_REINDEX: Policy = "no-reindex"
+REINDEX: Policy = "reindex"
+POLICIES: tuple[Policy, ...] = (NO_REINDEX, REINDEX)
 MODALITIES = ("image", "text")
 PAYLOAD_INDEXES = {"task": "keyword", "modality": "keyword", "model_version": "keyword", "index_generation": "integer"}
 BATCH = 256  # points per upsert call

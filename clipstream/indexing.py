@@ -17,7 +17,7 @@ import numpy as np
 import ray.data
 
 from clipstream import models
-from clipstream.index import POLICIES, Policy, TaskVectors, VectorIndex, open_index
+from clipstream.index import NO_REINDEX, POLICIES, REINDEX, Policy, TaskVectors, VectorIndex, open_index
 from clipstream.registry import Registry, Version
 from clipstream.settings import Settings
 from clipstream.training import evaluate
@@ -58,7 +58,7 @@ def embed_gallery(version: Version, task: Task, task_index: int, split: str = "t
                        [str(r["caption"]) for r in rows], split)
 
 
-def index_task(settings: Settings, version_ref: str, task_dir: str | Path, policy: Policy = "no-reindex",
+def index_task(settings: Settings, version_ref: str, task_dir: str | Path, policy: Policy = NO_REINDEX,
                split: str = "test", index_name: Optional[str] = None) -> dict:
     """Index task `task_dir` with version `version_ref` under `policy`; returns the index state.
     no-reindex appends the task; reindex re-embeds every indexed task and this one under the version."""
@@ -73,7 +73,7 @@ def index_task(settings: Settings, version_ref: str, task_dir: str | Path, polic
                          f"(its tasks: {', '.join(lineage)}); index a task with a version that has seen it")
     with open_index(settings, index_name) as index:
         index.progress = True
-        if policy == "no-reindex":
+        if policy == NO_REINDEX:
             state = index.append(embed_gallery(version, task, lineage[task.name][0], split))
         else:
             names = list(index.state()["tasks"]) + [task.name]
@@ -96,16 +96,16 @@ def put_lineage(settings: Settings, version: Version, split: str = "test") -> di
     with open_index(settings) as index:
         index.progress = True
         state = index.state()
-        if settings.index_policy == "no-reindex":
+        if settings.index_policy == NO_REINDEX:
             for name, (i, entry) in lineage.items():
                 if name not in state["tasks"]:
                     task = _task_of(entry, "indexing", "keep the data of every task a version may need to index")
                     state = _record(registry, version.version, index.append(embed_gallery(version, task, i, split)),
-                                    "no-reindex")
+                                    NO_REINDEX)
         elif set(state["tasks"]) != set(lineage) or any(t["model_version"] != version.version
                                                         for t in state["tasks"].values()):
             state = _record(registry, version.version,
-                            index.reindex([_regallery(index, version, n, lineage, split) for n in lineage]), "reindex")
+                            index.reindex([_regallery(index, version, n, lineage, split) for n in lineage]), REINDEX)
         # Search switches its query encoder here, with the gallery in place (a reindex already pinned it)
         return index.pin(version.version) if state["tasks"] else state
 

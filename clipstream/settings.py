@@ -19,7 +19,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from clipstream.index import Policy
+from clipstream.index import NO_REINDEX, Policy
 
 
 def _config_file() -> Optional[Path]:
@@ -48,7 +48,7 @@ class Settings(BaseSettings):
     runs_dir: Optional[Path] = Field(None, description="Ray Train storage (checkpoints); default HOME/runs")
     promote_max_forgetting: float = Field(25.0, description="a candidate's task-known mean forgetting (R points) may not exceed this")
     promote_max_aa_drop: float = Field(0.0, description="a candidate's task-known AA may be at most this far below production's")
-    index_policy: Policy = Field("no-reindex", description="how promotion puts the gallery in place")
+    index_policy: Policy = Field(NO_REINDEX, description="how promotion puts the gallery in place")
     serve_replicas: int = Field(1, ge=1, description="Encoder replicas")
     serve_encoder_cpus: float = Field(0.5, ge=0, description="CPUs each Encoder replica reserves (0 shares the cores)")
     serve_search_cpus: float = Field(0.25, ge=0, description="CPUs the Search deployment reserves")

@@ -97,6 +97,21 @@ class Method:
         pass
 
 
+class Distillation(Method):
+    """A method whose one term, `distill`, compares the live features with the frozen previous model's on
+    the same batch; nothing to distil from on the first task."""
+
+    needs_teacher = True
+
+    def loss_terms(self, ctx, batch, feats):
+        if ctx.teacher is None:
+            return {}
+        return {"distill": self.distill(feats, ctx.teacher_features(batch))}
+
+    def distill(self, feats: Features, teacher: Features) -> torch.Tensor:
+        raise NotImplementedError
+
+
 class Stack(Method):
     """Methods applied together, each with its own parameters and state; an empty stack is fine-tuning."""
 

@@ -5,7 +5,7 @@ feature dimensions of the pre-normalisation features, ×T² as in Hinton's disti
 import torch
 
 from clipstream.training.losses import row_kl
-from clipstream.training.methods.base import Method
+from clipstream.training.methods.base import Distillation
 
 
 def lwf_distill(student_raw: list, teacher_raw: list, temperature: float) -> torch.Tensor:
@@ -14,14 +14,9 @@ def lwf_distill(student_raw: list, teacher_raw: list, temperature: float) -> tor
     return t * t * sum(row_kl(r / t, s / t).mean() for r, s in zip(teacher_raw, student_raw)) / len(student_raw)
 
 
-class LwF(Method):
+class LwF(Distillation):
     name = "lwf"
-    needs_teacher = True
 
-    def loss_terms(self, ctx, batch, feats):
-        if ctx.teacher is None:
-            return {}
-        teacher = ctx.teacher_features(batch)
-        return {"distill": self.params["weight"] * lwf_distill([feats.image_raw, feats.text_raw],
-                                                               [teacher.image_raw, teacher.text_raw],
-                                                               self.params["temperature"])}
+    def distill(self, feats, teacher):
+        return self.params["weight"] * lwf_distill([feats.image_raw, feats.text_raw], [teacher.image_raw, teacher.text_raw],
+                                                   self.params["temperature"])

@@ -18,7 +18,7 @@ from clipstream.training.losses import (
     row_kl,
     world,
 )
-from clipstream.training.methods.base import Method
+from clipstream.training.methods.base import Distillation
 
 
 def modx_distill(img, txt, t_img, t_txt, mask_diagonal: bool = False) -> torch.Tensor:
@@ -37,13 +37,9 @@ def modx_distill(img, txt, t_img, t_txt, mask_diagonal: bool = False) -> torch.T
     return world()[1] * total / 2
 
 
-class ModX(Method):
+class ModX(Distillation):
     name = "modx"
-    needs_teacher = True
 
-    def loss_terms(self, ctx, batch, feats):
-        if ctx.teacher is None:
-            return {}
-        teacher = ctx.teacher_features(batch)
-        return {"distill": self.params["alpha"] * modx_distill(feats.image, feats.text, teacher.image, teacher.text,
-                                                               bool(self.params.get("mask_diagonal")))}
+    def distill(self, feats, teacher):
+        return self.params["alpha"] * modx_distill(feats.image, feats.text, teacher.image, teacher.text,
+                                                   bool(self.params.get("mask_diagonal")))
