@@ -43,6 +43,48 @@ def stream(tmp_path_factory):
                       test_per_task=24, digits=False, progress=False)
 
 
+STREAM_FAST = ["train.epochs=1", "train.micro_batch=8", "train.log_every=1", "train.max_failures=0",
+               "train.warmup_steps=1"]
+
+
+@pytest.fixture(scope="session")
+def three_tasks(tmp_path_factory):
+    """Three synthetic domain tasks, made once per session."""
+    from clipstream.training.data.synth import synthesize
+
+    return synthesize(tmp_path_factory.mktemp("three") / "data", tasks=3, seed=5, train_pairs=800, test_per_task=12,
+                      digits=False, progress=False)
+
+
+@pytest.fixture(scope="session")
+def trained_stream(ray_cluster, three_tasks, tmp_path_factory):
+    """trained_stream(method, zero_stage) -> (settings, task dirs): `three_tasks` trained in turn from the CLI
+    (`clipstream train --parent ...`), versions 1..3 of their own registry. Trained once per session for each
+    (method, stage), so the tests that only need *a* trained stream (indexing) reuse one that a method's
+    stream test trains anyway."""
+    from clipstream.cli import main
+    from clipstream.settings import Settings
+
+    done = {}
+
+    def train(method: str, stage: int):
+        if (method, stage) not in done:
+            settings = Settings(home=tmp_path_factory.mktemp(f"{method}-zero{stage}") / "home").ensure_dirs()
+            extra = ["method.er.buffer_pairs=40"] if "er" in method.split("_") else []
+            with pytest.MonkeyPatch.context() as env:
+                for name, value in settings.env().items():
+                    env.setenv(name, value)
+                for i, folder in enumerate(three_tasks):
+                    args = ["train", "--task", str(folder), "--method", method, "--workers", "2"]
+                    for item in [*STREAM_FAST, f"train.zero_stage={stage}", *extra]:
+                        args += ["--set", item]
+                    assert main(args + (["--parent", str(i)] if i else [])) == 0
+            done[(method, stage)] = settings
+        return done[(method, stage)], three_tasks
+
+    return train
+
+
 def register_version(settings, seed: int, alias: str | None = None, task_dirs=(), aa: float = 50.0,
                      forgetting: float = 0.0, parent: str = "") -> str:
     """Register a version made without training: a real tiny open_clip model (weights from `seed`) whose

@@ -11,26 +11,14 @@ from clipstream.cli import main
 from clipstream.index import open_index
 from clipstream.indexing import evaluate_through_index, index_task
 from clipstream.registry import Registry
-from clipstream.settings import Settings
 from clipstream.training import evaluate
 from clipstream.training.data.task import DataError, Task
-from clipstream.training.job import run_task
-
-FAST = ["train.epochs=2", "train.micro_batch=16", "train.max_failures=0"]
 
 
 @pytest.fixture(scope="module")
-def trained(ray_cluster, tmp_path_factory):
-    """Versions 1..3 of a finetune stream over three small synthetic tasks."""
-    from clipstream.training.data.synth import synthesize
-
-    root = tmp_path_factory.mktemp("indexing")
-    dirs = synthesize(root / "data", tasks=3, seed=5, train_pairs=500, test_per_task=16, digits=False, progress=False)
-    settings = Settings(home=root / "home").ensure_dirs()
-    parent = None
-    for folder in dirs:
-        parent = run_task(folder, "finetune", parent, workers=2, overrides=FAST, settings=settings).version
-    return settings, dirs
+def trained(trained_stream):
+    """Versions 1..3 of a stream over three small synthetic tasks (the EWC stream test's: trained once)."""
+    return trained_stream("ewc", 2)
 
 
 def _checksums(index, task):
@@ -132,19 +120,19 @@ def test_indexing_a_task_the_version_never_saw_is_refused(trained, tmp_path):
 def test_reindex_reuses_stored_image_vectors_when_the_image_tower_did_not_change(trained, tmp_path):
     from dataclasses import replace
 
-    from clipstream.indexing import _vectors_for_reindex
+    from clipstream.indexing import _regallery
 
     settings, dirs = trained
     settings = _backend(settings, "edge", tmp_path)
     index_task(settings, "1", dirs[0], "no-reindex")
     v3 = Registry(settings).resolve("3")
-    assert v3.manifest["unchanged_towers"] == []  # finetune trains both towers
+    assert v3.manifest["unchanged_towers"] == []  # EWC trains both towers
     frozen = replace(v3, manifest={**v3.manifest, "unchanged_towers": ["image"]})
     lineage = {e["task"]: (i, e) for i, e in enumerate(v3.lineage)}
     with open_index(settings) as index:
         stored = index.points("task-00-household", "image")
-        reused = _vectors_for_reindex(index, frozen, "task-00-household", lineage, "test")
-        fresh = _vectors_for_reindex(index, v3, "task-00-household", lineage, "test")
+        reused = _regallery(index, frozen, "task-00-household", lineage, "test")
+        fresh = _regallery(index, v3, "task-00-household", lineage, "test")
     assert [reused.image[i].tobytes() for i in range(len(reused.item_ids))] == [stored[i][0] for i in reused.item_ids]
     assert not (fresh.image == reused.image).all()  # version 3's own image tower would embed differently
     assert (fresh.text == reused.text).all()  # text is always re-embedded by the new version

@@ -8,6 +8,7 @@ from mlflow import MlflowClient
 from clipstream import models
 from clipstream.cli import main
 from clipstream.registry import Registry, RegistryError
+from clipstream.settings import Settings
 from clipstream.training import evaluate
 from clipstream.training.data.task import DataError, Task
 from clipstream.training.job import run_task
@@ -15,10 +16,23 @@ from clipstream.training.job import run_task
 FAST = ["train.epochs=2", "train.micro_batch=16", "train.log_every=2", "train.max_failures=0"]
 
 
-@pytest.mark.slow
-def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(ray_cluster, settings, stream, capsys):
-    first = run_task(stream[0], "finetune", None, workers=2, overrides=FAST, settings=settings)
+DETERMINISTIC = [*FAST, "train.deterministic=true"]
+
+
+@pytest.fixture(scope="module")
+def two_versions(ray_cluster, stream, tmp_path_factory):
+    """Version 1 (finetune, deterministic) and version 2 (joint, its child), trained once for this module."""
+    settings = Settings(home=tmp_path_factory.mktemp("job") / "home").ensure_dirs()
+    first = run_task(stream[0], "finetune", None, workers=2, overrides=DETERMINISTIC, settings=settings)
     second = run_task(stream[1], "joint", "models:/clipstream@candidate", workers=2, overrides=FAST, settings=settings)
+    return settings, first, second
+
+
+@pytest.mark.slow
+def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(two_versions, stream, monkeypatch, capsys):
+    settings, first, second = two_versions
+    for name, value in settings.env().items():  # the CLI below reads the same settings
+        monkeypatch.setenv(name, value)
 
     registry = Registry(settings)
     versions = registry.versions()
@@ -93,14 +107,14 @@ def test_a_killed_worker_resumes_from_the_last_epoch_checkpoint(ray_cluster, set
 
 
 @pytest.mark.slow
-def test_deterministic_training_gives_the_same_weights_twice(ray_cluster, settings, stream):
-    runs = [run_task(stream[0], "finetune", None, workers=2, overrides=[*FAST, "train.deterministic=true"],
-                     settings=settings) for _ in range(2)]
-    registry = Registry(settings)
-    first, second = (models.load_exported(registry.resolve(r.version).folder).model.state_dict() for r in runs)
+def test_deterministic_training_gives_the_same_weights_twice(two_versions, settings, stream):
+    shared, before, _ = two_versions  # version 1 there was trained deterministically, like this rerun
+    again = run_task(stream[0], "finetune", None, workers=2, overrides=DETERMINISTIC, settings=settings)
+    first, second = (models.load_exported(Registry(s).resolve(r.version).folder).model.state_dict()
+                     for s, r in ((shared, before), (settings, again)))
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)
-    assert runs[0].known.values[0, 0] == runs[1].known.values[0, 0]
+    assert before.known.values[0, 0] == again.known.values[0, 0]
 
 
 def test_a_task_too_small_for_one_step_is_refused_before_training(settings, stream):
