@@ -1,1 +1,3 @@
-"""Everything that makes a model version: data, models, methods, the train loop, evaluation, registry."""
+"""clipstream.training: what makes a model version. Task data, continual methods, the per-worker DeepSpeed
+loop, the task job (prepare → fit → evaluate → register) and retrieval evaluation. Stands on the ground
+floor (settings, registry, model bundle) and never imports clipstream.services."""
