@@ -46,6 +46,8 @@ class Settings(BaseSettings):
     ray_address: Optional[str] = Field(None, description="None starts a local Ray; 'auto' or ray://host:port joins a cluster")
     grpc_port: int = Field(9000, ge=1, le=65535)
     runs_dir: Optional[Path] = Field(None, description="Ray Train storage (checkpoints); default HOME/runs")
+    presets: Optional[Path] = Field(None, description="a YAML file of your own method presets, added to the "
+                                    "shipped ones (same format; inherit_from may name shipped presets)")
     promote_max_forgetting: float = Field(25.0, description="a candidate's task-known mean forgetting (R points) may not exceed this")
     promote_max_aa_drop: float = Field(0.0, description="a candidate's task-known AA may be at most this far below production's")
     index_policy: Policy = Field(NO_REINDEX, description="how promotion puts the gallery in place")

@@ -56,20 +56,33 @@ def three_tasks(tmp_path_factory):
                       digits=False, progress=False)
 
 
+# Compositions of shipped presets, as a user would add them (Settings.presets): each stream test then checks
+# two methods' state at once, one per loss term (`penalty` and `distill` never collide).
+OWN_PRESETS = """
+mas_lwf:
+  inherit_from: [mas, lwf]
+ewc_modx:
+  inherit_from: [ewc, modx]
+"""
+
+
 @pytest.fixture(scope="session")
 def trained_stream(ray_cluster, three_tasks, tmp_path_factory):
     """trained_stream(method, zero_stage) -> (settings, task dirs): `three_tasks` trained in turn from the CLI
     (`clipstream train --parent ...`), versions 1..3 of their own registry. Trained once per session for each
     (method, stage), so the tests that only need *a* trained stream (indexing) reuse one that a method's
-    stream test trains anyway."""
+    stream test trains anyway. `method` may be one of OWN_PRESETS."""
     from clipstream.cli import main
     from clipstream.settings import Settings
 
     done = {}
+    presets = tmp_path_factory.mktemp("presets") / "presets.yaml"
+    presets.write_text(OWN_PRESETS)
 
     def train(method: str, stage: int):
         if (method, stage) not in done:
-            settings = Settings(home=tmp_path_factory.mktemp(f"{method}-zero{stage}") / "home").ensure_dirs()
+            home = tmp_path_factory.mktemp(f"{method}-zero{stage}") / "home"
+            settings = Settings(home=home, presets=presets).ensure_dirs()
             extra = ["method.er.buffer_pairs=40"] if "er" in method.split("_") else []
             with pytest.MonkeyPatch.context() as env:
                 for name, value in settings.env().items():

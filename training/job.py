@@ -137,23 +137,30 @@ def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optio
     plan = Plan(config, stack, task, parent_v, current, [], 0, [], workers,
                 Path(tempfile.mkdtemp(prefix="clipstream-job-")))
     try:
-        for entry in [current, *stack.extra_tasks(current, plan.history, str(plan.workdir))]:
-            source = _task_of(entry)
-            check = source.check("train", config["train"]["on_bad_image"])
-            plan.sources.append((source, check.skipped_ids))
-            plan.rows += len(check.rows)
-            plan.skipped += check.skipped
-        if plan.steps_per_epoch < 1:
-            raise DataError(f"task {task.name!r}: {plan.rows} usable training rows cannot fill one step of "
-                            f"{workers} workers x micro batch {config['train']['micro_batch']}")
+        _check_data(plan)
     except BaseException:
         shutil.rmtree(plan.workdir, ignore_errors=True)
         raise
-    for line in plan.skipped:
-        print(f"[data] skipped {line}", flush=True)
     plan.tags = {"task": task.name, "task_index": str(plan.task_index), "method": stack.name,
                  "parent_version": parent_v.version if parent_v else "", "data_sha": current["data_sha"]}
     return plan
+
+
+def _check_data(plan: Plan) -> None:
+    """The task's rows plus what the method adds (joint: the earlier tasks; ER: its buffer, written as a
+    task into the workdir), each checked; the plan must fill at least one step on every worker."""
+    train = plan.config["train"]
+    for entry in [plan.current, *plan.method.extra_tasks(plan.current, plan.history, str(plan.workdir))]:
+        source = _task_of(entry)
+        check = source.check("train", train["on_bad_image"])
+        plan.sources.append((source, check.skipped_ids))
+        plan.rows += len(check.rows)
+        plan.skipped += check.skipped
+    if plan.steps_per_epoch < 1:
+        raise DataError(f"task {plan.task.name!r}: {plan.rows} usable training rows cannot fill one step of "
+                        f"{plan.workers} workers x micro batch {train['micro_batch']}")
+    for line in plan.skipped:
+        print(f"[data] skipped {line}", flush=True)
 
 
 def fit(plan: Plan, settings: Settings, run_id: str) -> Path:

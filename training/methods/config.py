@@ -1,4 +1,5 @@
-"""Method presets: one YAML of named presets composed with `inherit_from`, plus `key=value` overrides."""
+"""Method presets: one YAML of named presets composed with `inherit_from`, plus `key=value` overrides.
+The shipped presets can be extended, not changed, by a file of one's own (Settings.presets)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,24 @@ def merge(base: dict, over: dict) -> dict:
 
 
 def load_presets(path: Optional[Path] = None) -> dict[str, dict]:
-    return yaml.load(Path(path or PRESETS).read_text(), Loader=_Loader)
+    """The presets of `path`; by default the shipped ones plus those of `CLIPSTREAM_PRESETS` (Settings.presets),
+    which may add presets (composing shipped ones with `inherit_from`) but not redefine a shipped one."""
+    if path is not None:
+        return yaml.load(Path(path).read_text(), Loader=_Loader)
+    from clipstream.settings import Settings
+
+    presets, own = load_presets(PRESETS), Settings().presets
+    if own is None:
+        return presets
+    if not own.is_file():
+        raise ValueError(f"CLIPSTREAM_PRESETS={own}: no such file")
+    added = load_presets(own) or {}
+    if not isinstance(added, dict) or not all(isinstance(v, dict) for v in added.values()):
+        raise ValueError(f"{own}: expected a mapping of preset names to sections")
+    clash = sorted(set(added) & set(presets))
+    if clash:
+        raise ValueError(f"{own}: presets {clash} are shipped ones; give yours other names (and inherit_from them)")
+    return {**presets, **added}
 
 
 def method_presets(presets: Optional[dict] = None) -> list[str]:

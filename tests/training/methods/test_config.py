@@ -3,7 +3,8 @@ import copy
 
 import pytest
 
-from clipstream.training.methods.config import load_presets, merge, resolve
+from clipstream.training.methods import build
+from clipstream.training.methods.config import load_presets, merge, method_presets, resolve
 
 CUSTOM = {
     "base": {"train": {"lr": 1.0, "epochs": 2, "betas": [0.9, 0.98]}, "method": {"name": "finetune"},
@@ -201,3 +202,21 @@ def test_merge_is_deep_and_copies():
     out["a"]["c"].append(2)
     out["d"]["e"] = 5
     assert base == {"a": {"b": 1, "c": [1]}, "d": 1} and over == {"a": {"b": 2}, "d": {"e": 1}}
+
+
+def test_own_presets_file_adds_compositions_but_cannot_redefine_shipped_ones(tmp_path, monkeypatch):
+    own = tmp_path / "mine.yaml"
+    own.write_text("ewc_modx:\n  inherit_from: [ewc, modx]\n  train:\n    lr: 2e-4\n")
+    monkeypatch.setenv("CLIPSTREAM_PRESETS", str(own))
+    config = resolve("ewc_modx", ["method.modx.alpha=5"])
+    assert set(config["method"]) == {"ewc", "modx"} and config["method"]["modx"]["alpha"] == 5
+    assert config["train"]["lr"] == 2e-4 and config["train"]["epochs"] == resolve("ewc")["train"]["epochs"]
+    assert [c.name for c in build(config).components] == ["ewc", "modx"]
+    assert "ewc_modx" in method_presets() and "ewc" in method_presets()
+
+    own.write_text("ewc:\n  train:\n    lr: 1.0\n")
+    with pytest.raises(ValueError, match=r"presets \['ewc'\] are shipped ones"):
+        resolve("ewc")
+    monkeypatch.setenv("CLIPSTREAM_PRESETS", str(tmp_path / "missing.yaml"))
+    with pytest.raises(ValueError, match="missing.yaml: no such file"):
+        load_presets()
