@@ -47,12 +47,12 @@ def _print_result(result) -> None:
 
 def _eval(args) -> None:
     from clipstream import models
-    from clipstream.registry import Registry
+    from clipstream.registry import CANDIDATE, Registry
     from clipstream.training import evaluate
     from clipstream.training.data.task import Task
 
     settings = Settings()
-    version = Registry(settings).resolve(args.version)
+    version = Registry(settings).resolve(args.version or CANDIDATE)
     bundle = models.load_exported(version.folder)
     tasks = [Task.load(p) for p in args.task] or [Task.load(e["path"]) for e in version.lineage]
     if args.through_index:
@@ -275,7 +275,6 @@ def _demo_serve(settings: Settings, version: str, dirs: list[Path]) -> None:
 
 def parser() -> argparse.ArgumentParser:
     from clipstream.index import NO_REINDEX, POLICIES
-    from clipstream.registry import CANDIDATE
     from clipstream.training.methods.config import method_presets
 
     p = argparse.ArgumentParser(prog="clipstream", description=__doc__)
@@ -309,7 +308,7 @@ def parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
 
     ev = sub.add_parser("eval", help="evaluate a registered version on its tasks (or the given ones)")
-    ev.add_argument("--version", default=CANDIDATE, help=f"a version number or alias (default {CANDIDATE})")
+    ev.add_argument("--version", help="a version number or alias (default: the newest candidate)")
     ev.add_argument("--task", action="append", default=[])
     ev.add_argument("--through-index", action="store_true",
                     help="rank the stored vectors (queries encoded by this version) instead of re-embedding galleries")
@@ -375,20 +374,32 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    import grpc
-
-    from clipstream.registry import RegistryError
-    from clipstream.training.data.task import DataError
-
     try:
         args.func(args)
-    except (DataError, RegistryError, ValueError, FileNotFoundError) as exc:
-        print(f"clipstream: error: {exc}", file=sys.stderr)
-        return 2
-    except grpc.RpcError as exc:  # the service's own status and message
-        print(f"clipstream: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    except Exception as exc:
+        if not isinstance(exc, _user_errors()):
+            raise
+        rpc = _loaded("grpc")
+        detail = f"{exc.code().name}: {exc.details()}" if rpc and isinstance(exc, rpc.RpcError) else str(exc)
+        print(f"clipstream: error: {detail}", file=sys.stderr)  # a gRPC error: the service's own status and message
         return 2
     return 0
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """What a user's input can cause: bad data, a reference the registry does not know, a bad value, a missing
+    file, a status from the service. Read from the modules a command loaded (a module that was never imported
+    raised nothing), so that `data synth` does not pay for importing MLflow and gRPC."""
+    errors: list[type[Exception]] = [ValueError, FileNotFoundError]
+    for module, name in (("clipstream.training.data.task", "DataError"), ("clipstream.registry", "RegistryError"),
+                         ("grpc", "RpcError")):
+        if _loaded(module):
+            errors.append(getattr(_loaded(module), name))
+    return tuple(errors)
+
+
+def _loaded(module: str):
+    return sys.modules.get(module)
 
 
 if __name__ == "__main__":
