@@ -32,4 +32,4 @@ test: setup
 	$(PY) -m pytest tests
 
 clean:
-	rm -rf .clipstream clipstream/v1
+	rm -rf .clipstream clipstream/v1/*_pb2*

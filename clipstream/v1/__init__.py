@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of protos/clipstream/v1/*.proto (`make stubs`; not committed)."""
