@@ -36,10 +36,10 @@ from ray.train.torch import TorchTrainer
 from clipstream import models
 from clipstream.registry import MANIFEST, Registry, Version
 from clipstream.settings import Settings
-from clipstream.training import diagnostics, evaluate, methods
+from clipstream.training import diagnostics, evaluate, launch, methods
 from clipstream.training.data.reader import training_dataset
 from clipstream.training.data.task import DataError, Task
-from clipstream.training.engine import EXPORT_DIR, METHOD_STATE_FILE, train_loop
+from clipstream.training.engine import EXPORT_DIR, METHOD_STATE_FILE
 
 
 @dataclass
@@ -175,12 +175,13 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
     tokenizer = f"local-dir:{plan.parent.folder}" if plan.parent else bundle.arch
     init_ray(settings)
     deterministic = train["deterministic"]
-    dataset = training_dataset(plan.sources, bundle.preprocess_train, tokenizer, seed=train["seed"] if deterministic else None)
+    dataset = training_dataset(plan.sources, bundle.model.visual.preprocess_cfg, tokenizer,
+                               seed=train["seed"] if deterministic else None)
     ingest = DataConfig.default_ingest_options()
     ingest.preserve_order = deterministic  # rows reach the workers in the same order on every run
     gpu = torch.cuda.is_available()
     trainer = TorchTrainer(
-        train_loop,
+        launch.train_loop,
         train_loop_config={**config, "model_source": plan.model_source, "task_index": plan.task_index,
                            "steps_per_epoch": plan.steps_per_epoch, "fail_once": os.environ.get("CLIPSTREAM_FAIL_ONCE"),
                            "threads_per_worker": max(1, int(ray.available_resources().get("CPU", 1)) // plan.workers),

@@ -2,40 +2,60 @@
 
 Reading, image decoding, augmentation and tokenisation run as Ray Data tasks, off the training
 workers, so a worker's loop only moves ready batches into the model (`get_dataset_shard`).
+
+The dataset plan travels to Ray's helper actors (Ray Train's controller, the dataset manager, the split
+coordinator), which unpickle it, and with it this module. So the plan holds only plain values (the
+preprocessing as open_clip's `preprocess_cfg` dict, the tokenizer by name) and this module imports
+open_clip and torch inside the functions that run in the map tasks: the helper actors then never load
+them (they did: ~1 GB and ~10 s of CPU each, per task job, on a 2-core machine).
 """
 
 from __future__ import annotations
 
+import json
 import zlib
 from functools import lru_cache
 from typing import Callable, Iterable
 
 import numpy as np
-import open_clip
 import ray.data
-import torch
 
-from clipstream.models import (
-    load_image,  # (importing clipstream.models registers our architectures' tokenizers)
-)
 from clipstream.training.data.task import DataError, Task, image_source
 
 
 @lru_cache(maxsize=4)
 def _tokenizer(spec: str):
     """One tokenizer per process: building the BPE tables costs more than a batch."""
+    import open_clip
+
+    from clipstream import models  # noqa: F401  (registers our architectures, so their tokenizers resolve)
+
     return open_clip.get_tokenizer(spec)
 
 
-def _prepare(batch: dict, *, root: str, preprocess: Callable, tokenizer: str, skip_ids: frozenset,
+@lru_cache(maxsize=4)
+def _transform(cfg: str, augment: bool) -> Callable:
+    """open_clip's own image transform for a model's preprocess_cfg (JSON), as `create_model_and_transforms`
+    builds it: preprocess_train when `augment`, else preprocess_val."""
+    from open_clip.transform import PreprocessCfg, image_transform_v2
+
+    return image_transform_v2(PreprocessCfg(**json.loads(cfg)), is_train=augment)
+
+
+def _prepare(batch: dict, *, root: str, preprocess: str, augment: bool, tokenizer: str, skip_ids: frozenset,
              seed: int | None) -> dict:
+    import torch
+
+    from clipstream.models import load_image
+
+    transform = _transform(preprocess, augment)
     keep = [i for i, id_ in enumerate(batch["id"]) if str(id_) not in skip_ids]
     images = []
     for i in keep:
         if seed is not None:  # the row's random crop follows from (seed, id), not from which process got it
             torch.manual_seed(zlib.crc32(f"{seed}:{batch['id'][i]}".encode()))
         try:
-            images.append(preprocess(load_image(batch_image(batch, i, root))).numpy())
+            images.append(transform(load_image(batch_image(batch, i, root))).numpy())
         except Exception as exc:  # the file changed after the task was checked
             raise DataError(f"task {root}: cannot decode image of id {batch['id'][i]!r}: {exc}") from exc
     captions = [str(batch["caption"][i]) for i in keep]
@@ -78,9 +98,11 @@ def _from_webdataset(batch: dict) -> dict:
             "caption": np.array(captions), "image_bytes": np.array([bytes(b) for b in batch[image_col]], dtype=object)}
 
 
-def training_dataset(tasks: Iterable[tuple[Task, Iterable[str]]], preprocess: Callable, tokenizer: str,
-                     split: str = "train", seed: int | None = None) -> ray.data.Dataset:
-    """Union of the given tasks' splits as `{image: float32[3,H,W], text: int64[L]}` rows.
+def training_dataset(tasks: Iterable[tuple[Task, Iterable[str]]], preprocess: dict, tokenizer: str,
+                     split: str = "train", seed: int | None = None, augment: bool = True) -> ray.data.Dataset:
+    """Union of the given tasks' splits as `{image: float32[3,H,W], text: int64[L]}` rows, images through
+    open_clip's transform for `preprocess` (a model's `visual.preprocess_cfg`; with its random crop when
+    `augment`), captions through the tokenizer named `tokenizer`.
 
     Each entry is (task, ids to skip): the ids that checking found bad under the `skip` policy.
     With a `seed`, the rows' augmentations and the block order are fixed by it, so that run with
@@ -91,7 +113,8 @@ def training_dataset(tasks: Iterable[tuple[Task, Iterable[str]]], preprocess: Ca
         raw = read_split(task, split)
         parts.append(raw.map_batches(
             _prepare, batch_format="numpy", batch_size=64,
-            fn_kwargs={"root": str(task.root), "preprocess": preprocess, "tokenizer": tokenizer,
+            fn_kwargs={"root": str(task.root), "preprocess": json.dumps(dict(preprocess), sort_keys=True),
+                       "augment": augment, "tokenizer": tokenizer,
                        "skip_ids": frozenset(map(str, skip_ids)), "seed": seed},
         ))
     # several tasks (joint, replay): blocks in a random order (a new one each epoch unless seeded), so the

@@ -73,6 +73,11 @@ def make_wds_task(root: Path, n: int) -> Path:
     return root
 
 
+def CFG(bundle) -> dict:
+    """What the job hands the reader: the model's preprocess_cfg (the transforms are built in the map tasks)."""
+    return bundle.model.visual.preprocess_cfg
+
+
 def expected(task: Task, rows: list[dict], preprocess, tokenizer) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """caption -> (image tensor, tokens) computed directly from the files."""
     out = {}
@@ -105,7 +110,7 @@ def match_rows(got: list[dict], want: dict[str, tuple[np.ndarray, np.ndarray]], 
 def test_jsonl_rows_match_direct_transform_and_tokenizer(ray_cluster, tmp_path, bundle, tokenizer):
     task = Task.load(make_task(tmp_path / "a", 12, "alpha"))
     rows = task.check("train").rows
-    got = collect(training_dataset([(task, set())], bundle.preprocess_val, ARCH))
+    got = collect(training_dataset([(task, set())], CFG(bundle), ARCH, augment=False))
     assert len(got) == 12
     for row in got:
         image, text = np.asarray(row["image"]), np.asarray(row["text"])
@@ -123,7 +128,7 @@ def test_skip_ids_are_dropped_and_bad_images_never_decoded(ray_cluster, tmp_path
         task.check("train")
     check = task.check("train", on_bad_image="skip")
     assert check.skipped_ids == {"alpha-004", "alpha-007"}
-    ds = training_dataset([(task, check.skipped_ids)], bundle.preprocess_val, ARCH)
+    ds = training_dataset([(task, check.skipped_ids)], CFG(bundle), ARCH, augment=False)
     got = collect(ds)
     assert len(got) == 8
     match_rows(got, expected(task, check.rows, bundle.preprocess_val, tokenizer), tokenizer)
@@ -132,7 +137,7 @@ def test_skip_ids_are_dropped_and_bad_images_never_decoded(ray_cluster, tmp_path
 def test_skip_ids_drop_good_rows_too(ray_cluster, tmp_path, bundle, tokenizer):
     task = Task.load(make_task(tmp_path / "a", 6, "alpha"))
     skip = ["alpha-000", "alpha-005", "not-an-id"]
-    got = collect(training_dataset([(task, skip)], bundle.preprocess_val, ARCH))
+    got = collect(training_dataset([(task, skip)], CFG(bundle), ARCH, augment=False))
     rows = [r for r in task.check("train").rows if r["id"] not in skip]
     assert len(got) == 4
     match_rows(got, expected(task, rows, bundle.preprocess_val, tokenizer), tokenizer)
@@ -141,7 +146,7 @@ def test_skip_ids_drop_good_rows_too(ray_cluster, tmp_path, bundle, tokenizer):
 def test_union_of_two_tasks(ray_cluster, tmp_path, bundle, tokenizer):
     a = Task.load(make_task(tmp_path / "a", 7, "alpha"))
     b = Task.load(make_task(tmp_path / "b", 5, "beta", fmt="csv"))
-    ds = training_dataset([(a, {"alpha-001"}), (b, ())], bundle.preprocess_val, ARCH)
+    ds = training_dataset([(a, {"alpha-001"}), (b, ())], CFG(bundle), ARCH, augment=False)
     got = collect(ds)
     assert len(got) == 6 + 5
     want = expected(a, [r for r in a.check("train").rows if r["id"] != "alpha-001"], bundle.preprocess_val, tokenizer)
@@ -151,7 +156,7 @@ def test_union_of_two_tasks(ray_cluster, tmp_path, bundle, tokenizer):
 
 def test_train_transform_gives_right_shape(ray_cluster, tmp_path, bundle, tokenizer):
     task = Task.load(make_task(tmp_path / "a", 5, "alpha"))
-    got = collect(training_dataset([(task, ())], bundle.preprocess_train, ARCH))
+    got = collect(training_dataset([(task, ())], CFG(bundle), ARCH))
     assert len(got) == 5
     tokens = sorted(tuple(np.asarray(r["text"]).tolist()) for r in got)
     assert tokens == sorted(tuple(t) for t in tokenizer([r["caption"] for r in task.check("train").rows]).numpy().tolist())
@@ -170,7 +175,7 @@ def test_webdataset_split_through_the_pipeline(ray_cluster, tmp_path, bundle, to
     assert sorted(str(r["caption"]) for r in raw) == sorted(f"webdataset caption {k}" for k in range(9))
 
     # w003 sits in the `./`-named shard: the ids Task.check reports are the ids the pipeline skips
-    got = collect(training_dataset([(task, {"w003"})], bundle.preprocess_val, ARCH))
+    got = collect(training_dataset([(task, {"w003"})], CFG(bundle), ARCH, augment=False))
     assert len(got) == 8
     want = expected(task, [r for r in rows if r["id"] != "w003"], bundle.preprocess_val, tokenizer)
     match_rows(got, want, tokenizer)
@@ -196,7 +201,7 @@ def test_a_seed_fixes_the_augmented_rows_and_their_order(ray_cluster, tmp_path, 
     b = Task.load(make_task(tmp_path / "b", 5, "beta", fmt="csv"))
 
     def rows(seed):
-        got = collect(training_dataset([(a, ()), (b, ())], bundle.preprocess_train, ARCH, seed=seed))
+        got = collect(training_dataset([(a, ()), (b, ())], CFG(bundle), ARCH, seed=seed))
         return [(tuple(np.asarray(r["text"]).tolist()), np.asarray(r["image"])) for r in got]
 
     first, again, other = rows(7), rows(7), rows(8)
