@@ -275,8 +275,9 @@ def _demo_serve(settings: Settings, version: str, dirs: list[Path]) -> None:
 
 def parser() -> argparse.ArgumentParser:
     from clipstream.index import NO_REINDEX, POLICIES
-    from clipstream.training.methods.config import method_presets
+    from clipstream.training.methods.config import PRESETS, load_presets, method_presets
 
+    shipped = method_presets(load_presets(PRESETS))  # not the user's file: a bad one is an error of `main`, not of --help
     p = argparse.ArgumentParser(prog="clipstream", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -297,7 +298,8 @@ def parser() -> argparse.ArgumentParser:
 
     def training_args(q, method: bool = True):
         if method:
-            q.add_argument("--method", default="finetune", help=f"a method preset: {', '.join(method_presets())}")
+            q.add_argument("--method", default="finetune", help=f"a method preset: {', '.join(shipped)} "
+                           "(or one of CLIPSTREAM_PRESETS)")
         q.add_argument("--workers", type=int, default=2, help="Ray Train workers")
         q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a preset value, e.g. train.epochs=2")
 

@@ -56,3 +56,10 @@ def test_corrupt_image_is_reported_with_file_and_row(tmp_path, stream, capsys, s
 def test_runs_on_an_empty_registry_says_so(settings, capsys):
     assert main(["runs"]) == 0
     assert "no registered versions in stream 'clipstream'" in capsys.readouterr().out
+
+
+def test_a_missing_presets_file_is_an_error_not_a_traceback(settings, stream, monkeypatch, capsys):
+    monkeypatch.setenv("CLIPSTREAM_PRESETS", str(settings.home / "missing.yaml"))
+    assert main(["train", "--task", str(stream[0])]) == 2
+    err = capsys.readouterr().err
+    assert "missing.yaml: no such file" in err.strip().splitlines()[-1] and "Traceback" not in err
