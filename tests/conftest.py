@@ -57,12 +57,13 @@ def three_tasks(tmp_path_factory):
 
 
 # Compositions of shipped presets, as a user would add them (Settings.presets): each stream test then checks
-# two methods' state at once, one per loss term (`penalty` and `distill` never collide).
+# several methods' state at once, each on its own loss terms (one `penalty`, one `distill`: they never
+# collide), and the second composes a shipped composition (ctp_er) with two more methods.
 OWN_PRESETS = """
 mas_lwf:
   inherit_from: [mas, lwf]
-ewc_modx:
-  inherit_from: [ewc, modx]
+ewc_modx_ctp_er:
+  inherit_from: [ewc, modx, ctp_er]
 """
 
 

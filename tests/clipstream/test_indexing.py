@@ -18,7 +18,7 @@ from clipstream.training.data.task import DataError, Task
 @pytest.fixture(scope="module")
 def trained(trained_stream):
     """Versions 1..3 of a stream over three small synthetic tasks (a method stream test's: trained once)."""
-    return trained_stream("ewc_modx", 1)
+    return trained_stream("ewc_modx_ctp_er", 2)
 
 
 def _checksums(index, task):
@@ -126,7 +126,7 @@ def test_reindex_reuses_stored_image_vectors_when_the_image_tower_did_not_change
     settings = _backend(settings, "edge", tmp_path)
     index_task(settings, "1", dirs[0], "no-reindex")
     v3 = Registry(settings).resolve("3")
-    assert v3.manifest["unchanged_towers"] == []  # EWC and Mod-X train both towers
+    assert v3.manifest["unchanged_towers"] == []  # EWC, Mod-X and CTP train both towers
     frozen = replace(v3, manifest={**v3.manifest, "unchanged_towers": ["image"]})
     lineage = {e["task"]: (i, e) for i, e in enumerate(v3.lineage)}
     with open_index(settings) as index:

@@ -10,6 +10,27 @@ from PIL import Image
 from tests.conftest import register_version
 
 
+LAST = "test_live_promotion.py"  # replaces the shared app: run it after the other service tests
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Run the live-promotion module after every other test that uses the shared app, so it need not deploy
+    the shared app again afterwards (a ~30 s redeploy on 2 cores); see `still_needed`."""
+    last = [i for i in items if i.path.name == LAST]
+    if last:
+        at = items.index(last[0])
+        rest = [i for i in items[at:] if i.path.name != LAST]
+        cut = next((k for k, i in enumerate(rest) if "served" not in i.fixturenames), len(rest))
+        items[at:] = rest[:cut] + last + rest[cut:]
+
+
+def still_needed(request, fixture: str = "served") -> bool:
+    """Whether a test after the requesting module's last one uses `fixture` (for a module-scoped fixture)."""
+    items = request.session.items
+    mine = [k for k, i in enumerate(items) if i.path == request.path]
+    return any(fixture in i.fixturenames for i in items[max(mine, default=-1) + 1:])
+
+
 def set_production(settings, stub, version: str, timeout_s: float = 20.0) -> None:
     """Move alias `production` and wait until the Encoder serves it (it re-reads aliases every 2 s)."""
     import time

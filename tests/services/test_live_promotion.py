@@ -18,12 +18,13 @@ from clipstream.settings import Settings
 from clipstream.training.data.task import Task
 from clipstream.v1 import admin_pb2, admin_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 from tests.conftest import register_version
+from tests.services.conftest import still_needed
 
 KEY = "s3cret-key"
 
 
 @pytest.fixture(scope="module")
-def live(served, stream, tmp_path_factory):
+def live(served, stream, tmp_path_factory, request):
     shared = served[0]
     settings = Settings(home=tmp_path_factory.mktemp("live") / "home", grpc_port=shared.grpc_port, api_key=KEY,
                         index_policy="reindex", serve_encoder_cpus=0, serve_search_cpus=0).ensure_dirs()
@@ -32,7 +33,8 @@ def live(served, stream, tmp_path_factory):
     promote(settings, v1)  # gallery of task 0 under v1, then the alias
     app.start(settings)  # same name and route: Serve replaces the shared app in place
     yield settings, served[1], (v1, v2)
-    app.start(shared)
+    if still_needed(request):  # conftest runs this module after the other users of the shared app
+        app.start(shared)
 
 
 def test_without_the_api_key_every_rpc_is_unauthenticated_but_probes_answer(live):
