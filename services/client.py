@@ -10,6 +10,7 @@ from typing import Iterable, Optional, Sequence
 import grpc
 import numpy as np
 from google.protobuf.json_format import MessageToDict
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tqdm import tqdm
 
 from clipstream.v1 import (
@@ -31,6 +32,7 @@ class Client:
         self.encoder = encoder_pb2_grpc.EncoderStub(self.channel)
         self.searcher = search_pb2_grpc.SearchStub(self.channel)
         self.admin = admin_pb2_grpc.AdminStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.timeout_s, self.retries = timeout_s, retries
         self.metadata = ((API_KEY_HEADER, api_key),) if api_key else None
 
@@ -73,6 +75,11 @@ class Client:
         response = self._call(self.admin.ListVersions, admin_pb2.ListVersionsRequest())
         return MessageToDict(response, preserving_proto_field_name=True,
                              always_print_fields_with_no_presence=True)["versions"]
+
+    def health(self, service: str = "") -> str:
+        """The standard grpc.health.v1 status of `service` ('' = the server): SERVING, NOT_SERVING, ... ."""
+        response = self._call(self.health_stub.Check, health_pb2.HealthCheckRequest(service=service))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     def close(self) -> None:
         self.channel.close()

@@ -1,6 +1,7 @@
 """The floors of the `clipstream` package (README "Layout"), enforced on every module's imports.
 
-    top       clipstream.cli, the pipelines that join both sides (indexing, promotion), the benchmarks
+    top       clipstream.cli, the pipelines that join both sides (indexing, promotion), the benchmarks,
+              the cluster manifests (k8s)
     middle    clipstream.training (makes versions) | clipstream.services (serves them): never each other
     ground    settings, registry, vector index, model bundle, generated stubs: nothing above them
 
@@ -17,7 +18,7 @@ FOLDERS = {"clipstream": "clipstream", "training": "clipstream.training", "servi
            "benchmarks": "clipstream.benchmarks"}  # repository folder -> installed package (pyproject package-dir)
 GROUND = {"clipstream", "clipstream.settings", "clipstream.registry", "clipstream.index", "clipstream.models",
           "clipstream.mlflow_model", "clipstream.v1"}
-TOP = {"clipstream.cli", "clipstream.indexing", "clipstream.promotion", "clipstream.benchmarks"}
+TOP = {"clipstream.cli", "clipstream.indexing", "clipstream.promotion", "clipstream.benchmarks", "clipstream.k8s"}
 MAY_IMPORT = {"ground": {"ground"}, "training": {"ground", "training"}, "services": {"ground", "services"},
               "top": {"ground", "training", "services", "top"}}
 

@@ -47,6 +47,8 @@ def deepspeed_config(train: dict, world_size: int, total_steps: int) -> dict:
     precision = train["precision"]
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
+    # torch's AdamW on every device: DeepSpeed's FusedAdam JIT-compiles a CUDA op when the engine starts,
+    # which would need nvcc and a C++ toolchain in the cluster image (k8s/images/Dockerfile has none).
     return {
         "train_micro_batch_size_per_gpu": train["micro_batch"],
         "gradient_accumulation_steps": train["grad_accum"],
@@ -54,7 +56,7 @@ def deepspeed_config(train: dict, world_size: int, total_steps: int) -> dict:
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": train["lr"], "betas": list(train["betas"]), "eps": train["eps"],
-                       "weight_decay": train["weight_decay"], "torch_adam": not torch.cuda.is_available()},
+                       "weight_decay": train["weight_decay"], "torch_adam": True},
         },
         "scheduler": {
             "type": "WarmupCosineLR",

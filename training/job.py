@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -34,7 +35,7 @@ from ray.train import (
 from ray.train.torch import TorchTrainer
 
 from clipstream import models
-from clipstream.registry import MANIFEST, Registry, Version
+from clipstream.registry import CANDIDATE, MANIFEST, PRODUCTION, Registry, Version
 from clipstream.settings import Settings
 from clipstream.training import diagnostics, evaluate, launch, methods
 from clipstream.training.data.reader import training_dataset
@@ -57,6 +58,8 @@ class Plan:
     workers: int
     workdir: Path  # scratch space of this job (a method's extra data, the staged version), removed at the end
     tags: dict = field(default_factory=dict)
+    gpus_per_worker: Optional[float] = None  # None: one GPU per worker when the driver sees CUDA, else CPU only
+    aliases: tuple[str, ...] = ()  # set on the new version besides `candidate` (a stream's jobs chain by them)
 
     @property
     def history(self) -> list[dict]:
@@ -101,13 +104,22 @@ class TaskResult:
 
 
 def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[str] = None, workers: int = 2,
-             overrides: Iterable[str] = (), settings: Optional[Settings] = None) -> TaskResult:
+             overrides: Iterable[str] = (), settings: Optional[Settings] = None, *,
+             gpus_per_worker: Optional[float] = None, aliases: Iterable[str] = (),
+             wait_parent_s: float = 0.0) -> TaskResult:
     """Train `method` on one task starting from `parent` (a registry reference; None = the preset's
-    model), evaluate, and register the new version with alias `candidate`."""
+    model; waited for up to `wait_parent_s`), evaluate, and register the new version with alias
+    `candidate` and `aliases`."""
     tic = time.perf_counter()
+    for alias in aliases:  # MLflow's alias rules, checked before anything runs; production moves only by promotion
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,255}", alias) or re.fullmatch(r"v\d+|latest", alias, re.I) \
+                or alias in (PRODUCTION, CANDIDATE):
+            raise ValueError(f"alias {alias!r}: use letters, digits, '_' and '-' (not 'v<number>', 'latest', "
+                             f"{PRODUCTION!r} or {CANDIDATE!r})")
     settings = (settings or Settings()).ensure_dirs()
     registry = Registry(settings)
-    plan = prepare(registry, task_dir, method, parent, workers, overrides)
+    plan = prepare(registry, task_dir, method, parent, workers, overrides, wait_parent_s)
+    plan.gpus_per_worker, plan.aliases = gpus_per_worker, tuple(aliases)
     try:
         with registry.run(plan.run_name, plan.tags) as run_id:
             trained = fit(plan, settings, run_id)
@@ -120,14 +132,14 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
 
 
 def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optional[str], workers: int,
-            overrides: Iterable[str] = ()) -> Plan:
+            overrides: Iterable[str] = (), wait_parent_s: float = 0.0) -> Plan:
     """Resolve the preset and the parent, and check all training data; a bad input fails here, before
     Ray starts or a run is opened."""
     config = methods.resolve(method, overrides)
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     task = Task.load(task_dir)
-    parent_v = registry.resolve(parent) if parent else None
+    parent_v = registry.resolve(parent, wait_s=wait_parent_s) if parent else None
     if parent_v and task.name in [e["task"] for e in parent_v.lineage]:
         raise ValueError(f"version {parent_v.version} has already been trained on task {task.name!r}")
     stack = methods.build(config)
@@ -179,7 +191,7 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
                                seed=train["seed"] if deterministic else None)
     ingest = DataConfig.default_ingest_options()
     ingest.preserve_order = deterministic  # rows reach the workers in the same order on every run
-    gpu = torch.cuda.is_available()
+    gpus = plan.gpus_per_worker if plan.gpus_per_worker is not None else float(torch.cuda.is_available())
     trainer = TorchTrainer(
         launch.train_loop,
         train_loop_config={**config, "model_source": plan.model_source, "task_index": plan.task_index,
@@ -187,7 +199,8 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
                            "threads_per_worker": max(1, int(ray.available_resources().get("CPU", 1)) // plan.workers),
                            "parent_state": str(plan.parent.folder / METHOD_STATE_FILE) if plan.parent else None,
                            "current": plan.current, "tracking": {"uri": settings.mlflow_tracking_uri, "run_id": run_id}},
-        scaling_config=ScalingConfig(num_workers=plan.workers, use_gpu=gpu, resources_per_worker=None if gpu else {"CPU": 0.5}),
+        scaling_config=ScalingConfig(num_workers=plan.workers, use_gpu=gpus > 0,
+                                     resources_per_worker={"CPU": 1, "GPU": gpus} if gpus else {"CPU": 0.5}),
         run_config=RunConfig(name=f"{settings.stream}-{run_id}", storage_path=str(settings.runs_dir),
                              failure_config=FailureConfig(max_failures=train["max_failures"]),
                              checkpoint_config=CheckpointConfig(num_to_keep=1)),
@@ -242,6 +255,8 @@ def register(registry: Registry, plan: Plan, trained: Path, result: Evaluation) 
         "unchanged_towers": [t for t in ("image", "text") if plan.parent and t not in plan.method.trains_towers]},
         indent=2))
     version = registry.register(trained, plan.tags)
+    for alias in plan.aliases:
+        registry.set_alias(alias, version)
     mlflow.set_tag("model_version", version)
     return version
 

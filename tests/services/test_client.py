@@ -53,3 +53,17 @@ def test_cli_search_and_encode_print_tables_and_statuses(served, indexed, capsys
     assert "2 vectors of dimension 64 from model version 1" in capsys.readouterr().out
     assert main(["search", "a cup", "--task", "nope", "--address", address]) == 2
     assert "NOT_FOUND: unknown task 'nope'" in capsys.readouterr().err
+
+
+def test_cli_health_is_a_probe(served, capsys):
+    """`clipstream health` (the Helm chart's test pod runs it): exit 0 and SERVING for the server and each
+    service; an unknown service is the server's NOT_FOUND, exit 2."""
+    from clipstream.cli import main
+
+    address = f"127.0.0.1:{served[0].grpc_port}"
+    assert main(["health", "--address", address]) == 0
+    assert main(["health", "--address", address, "--service", "clipstream.v1.Search"]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"{address} (server): SERVING",
+                                                    f"{address} clipstream.v1.Search: SERVING"]
+    assert main(["health", "--address", address, "--service", "clipstream.v1.Nope"]) == 2
+    assert "NOT_FOUND" in capsys.readouterr().err

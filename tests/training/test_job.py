@@ -23,8 +23,9 @@ DETERMINISTIC = [*FAST, "train.deterministic=true"]
 def two_versions(ray_cluster, stream, tmp_path_factory):
     """Version 1 (finetune, deterministic) and version 2 (joint, its child), trained once for this module."""
     settings = Settings(home=tmp_path_factory.mktemp("job") / "home").ensure_dirs()
-    first = run_task(stream[0], "finetune", None, workers=2, overrides=DETERMINISTIC, settings=settings)
-    second = run_task(stream[1], "joint", "models:/clipstream@candidate", workers=2, overrides=FAST, settings=settings)
+    first = run_task(stream[0], "finetune", None, workers=2, overrides=DETERMINISTIC, settings=settings,
+                     aliases=["s1-1"])  # how `clipstream k8s stream` chains its jobs
+    second = run_task(stream[1], "joint", "models:/clipstream@s1-1", workers=2, overrides=FAST, settings=settings, wait_parent_s=60)
     return settings, first, second
 
 
@@ -42,7 +43,7 @@ def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(two_version
     assert v2.tags["task"] == "task-01-furnishing" and v2.tags["task_index"] == "1" and v2.tags["parent_version"] == "1"
     assert v1.tags["method"] == "finetune" and v2.tags["method"] == "joint"
     assert len(v1.tags["data_sha"]) == 64 and v1.tags["data_sha"] != v2.tags["data_sha"]
-    assert v2.aliases == ["candidate"] and v1.aliases == []
+    assert v2.aliases == ["candidate"] and v1.aliases == ["s1-1"]
     assert settings.mlflow_tracking_uri.startswith("sqlite:///") and (settings.home / "mlflow.db").is_file()
 
     # the run holds the loss curve, the evaluation, the matrix row and the heatmap
@@ -119,4 +120,11 @@ def test_a_killed_worker_resumes_from_the_last_epoch_checkpoint_with_the_same_we
 def test_a_task_too_small_for_one_step_is_refused_before_training(settings, stream):
     with pytest.raises(DataError, match="cannot fill one step"):
         run_task(stream[0], "finetune", None, workers=2, overrides=["train.micro_batch=4096"], settings=settings)
+    assert Registry(settings).versions() == []
+
+
+@pytest.mark.parametrize("alias", ["production", "candidate", "v3", "latest", "a b", ""])
+def test_an_alias_that_would_bypass_promotion_or_mlflow_refuses_is_refused_first(settings, stream, alias):
+    with pytest.raises(ValueError, match="use letters, digits"):
+        run_task(stream[0], "finetune", None, workers=2, overrides=FAST, settings=settings, aliases=[alias])
     assert Registry(settings).versions() == []

@@ -1,5 +1,8 @@
 """A task: a directory with `task.yaml` and its image-caption pairs, checked before any training starts.
 
+The directory is a local path or a URI (`s3://`, `gs://`, `file://`, any fsspec filesystem): a cluster's
+training jobs read tasks from object storage, through universal-pathlib here and pyarrow in Ray Data.
+
 Pairs are JSONL or CSV rows `{id, image, caption[, label, lang]}` (image paths relative to the task
 directory) or WebDataset shards (`KEY.png|jpg|jpeg|webp` + `KEY.txt` or `KEY.json` with a caption).
 Every problem is reported with the file and row it comes from, so a bad row is fixed in minutes, and
@@ -30,10 +33,19 @@ class DataError(ValueError):
     """A task that cannot be used as given; the message names the file (and row)."""
 
 
+def location(path: str | Path):
+    """A local path (absolute), or a `UPath` for a URI: the same path API over fsspec's filesystems."""
+    if "://" in str(path):
+        from upath import UPath
+
+        return UPath(str(path))
+    return Path(path).absolute()
+
+
 @dataclass(frozen=True)
 class Split:
     name: str
-    files: tuple[Path, ...]
+    files: tuple[Path, ...]  # or UPaths: str() of either is what Ray Data's readers take
     format: Literal["jsonl", "csv", "webdataset"]
 
 
@@ -57,7 +69,7 @@ class Task:
 
     @classmethod
     def load(cls, path: str | Path) -> "Task":
-        root = Path(path).absolute()
+        root = location(path)
         manifest = root / "task.yaml"
         if not root.is_dir():
             raise DataError(f"{root}: task directory not found")
@@ -112,15 +124,18 @@ class Task:
         return check
 
     def image(self, row: dict) -> bytes | Path:
-        """A row's image: its bytes (a WebDataset shard carries them) or its file under the task's root."""
+        """A row's image: its bytes (a WebDataset shard carries them; remote files are read) or its local file."""
         return image_source(self.root, row.get("image"), row.get("image_bytes"))
 
     def _image_problem(self, row: dict) -> Optional[str]:
         if row.get("image_bytes") is None and not row.get("image"):
             return "missing image field"
-        source = self.image(row)
-        if isinstance(source, Path) and not source.is_file():
-            return f"image not found: {source}"
+        try:
+            source = self.image(row)
+        except FileNotFoundError:
+            source = None
+        if source is None or isinstance(source, Path) and not source.is_file():
+            return f"image not found: {self.root / str(row['image'])}"
         try:
             with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
                 img.verify()
@@ -134,22 +149,32 @@ class Task:
         for split in sorted(self.splits):
             for where, row in _read_rows(self.splits[split]):
                 digest.update(json.dumps({k: v for k, v in row.items() if k != "image_bytes"}, sort_keys=True).encode())
-                source = self.image(row) if row.get("image_bytes") is not None or row.get("image") else b""
+                try:
+                    source = self.image(row) if row.get("image_bytes") is not None or row.get("image") else b""
+                except FileNotFoundError:
+                    source = b""
                 data = source if isinstance(source, bytes) else source.read_bytes() if source.is_file() else b""
                 digest.update(hashlib.sha256(data).digest())
         return digest.hexdigest()
 
 
 def image_source(root: str | Path, image: Optional[str], image_bytes: Optional[bytes] = None) -> bytes | Path:
-    """The one rule for where a row's image is, for rows (`Task.image`) and Ray Data batches alike."""
-    return bytes(image_bytes) if image_bytes is not None else Path(root) / str(image)
+    """The one rule for where a row's image is, for rows (`Task.image`) and Ray Data batches alike: the bytes
+    a shard carries, the local file, or the bytes of the remote file (FileNotFoundError if it is not there)."""
+    if image_bytes is not None:
+        return bytes(image_bytes)
+    path = location(root) / str(image)
+    return path if isinstance(path, Path) else path.read_bytes()
 
 
 def _split(manifest: Path, name: str, spec) -> Split:
     pattern = spec if isinstance(spec, str) else (spec or {}).get("path")
     if not pattern:
         raise DataError(f"{manifest}: split {name!r} names no file")
-    files = tuple(Path(p) for p in sorted(glob.glob(str(manifest.parent / pattern))))
+    if isinstance(manifest, Path):
+        files = tuple(Path(p) for p in sorted(glob.glob(str(manifest.parent / pattern))))
+    else:
+        files = tuple(sorted(manifest.parent.glob(pattern), key=str))
     if not files:
         raise DataError(f"{manifest}: split {name!r}: no file matches {manifest.parent / pattern}")
     suffixes = {f.suffix.lower() for f in files}
@@ -189,7 +214,7 @@ def _read_rows(split: Split) -> Iterator[tuple[str, dict]]:
 def _read_shard(path: Path) -> Iterator[tuple[str, dict]]:
     samples: dict[str, dict] = {}
     try:
-        with tarfile.open(path) as tar:
+        with path.open("rb") as f, tarfile.open(fileobj=f) as tar:
             for member in tar:
                 if not member.isfile():
                     continue

@@ -119,6 +119,16 @@ def test_jsonl_rows_match_direct_transform_and_tokenizer(ray_cluster, tmp_path, 
     match_rows(got, expected(task, rows, bundle.preprocess_val, tokenizer), tokenizer)
 
 
+def test_a_task_by_uri_goes_through_the_same_pipeline(ray_cluster, tmp_path, bundle, tokenizer):
+    """Ray Data reads the split files by URI (pyarrow filesystems) and the map tasks read the images by URI
+    (fsspec): what a cluster job does with s3:// or gs:// tasks, here with file://."""
+    root = make_task(tmp_path / "a", 6, "alpha")
+    task = Task.load(root.as_uri())
+    assert all(str(f).startswith("file://") for f in task.split("train").files)
+    got = collect(training_dataset([(task, set())], CFG(bundle), ARCH, augment=False))
+    match_rows(got, expected(Task.load(root), task.check("train").rows, bundle.preprocess_val, tokenizer), tokenizer)
+
+
 def test_skip_ids_are_dropped_and_bad_images_never_decoded(ray_cluster, tmp_path, bundle, tokenizer):
     root = make_task(tmp_path / "a", 10, "alpha")
     (root / "images/004.png").write_bytes(b"corrupt")

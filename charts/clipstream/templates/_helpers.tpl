@@ -1,0 +1,214 @@
+{{/*
+Names. R = fullname = the release name unless fullnameOverride is set; every object is R or R-<part>.
+*/}}
+{{- define "clipstream.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "clipstream.fullname" -}}
+{{- default .Release.Name .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "clipstream.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels every object carries. */}}
+{{- define "clipstream.labels" -}}
+helm.sh/chart: {{ include "clipstream.chart" . }}
+{{ include "clipstream.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: clipstream
+{{- end }}
+
+{{- define "clipstream.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "clipstream.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Labels of one component: (dict "ctx" $ "component" "qdrant"). */}}
+{{- define "clipstream.componentLabels" -}}
+{{ include "clipstream.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "clipstream.componentSelector" -}}
+{{ include "clipstream.selectorLabels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* The clipstream image: <repository>:<tag or appVersion-variant>. */}}
+{{- define "clipstream.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default (printf "%s-%s" .Chart.AppVersion .Values.image.variant) .Values.image.tag) }}
+{{- end }}
+
+{{- define "clipstream.grpcPort" -}}
+{{- int .Values.settings.grpc_port }}
+{{- end }}
+
+{{/* Secret names: the chart's R-<part>, or the existingSecret that replaces it. */}}
+{{- define "clipstream.secret.qdrant" -}}
+{{- default (printf "%s-qdrant" (include "clipstream.fullname" .)) .Values.secrets.qdrant.existingSecret }}
+{{- end }}
+{{- define "clipstream.secret.api" -}}
+{{- default (printf "%s-api" (include "clipstream.fullname" .)) .Values.secrets.api.existingSecret }}
+{{- end }}
+{{- define "clipstream.secret.postgres" -}}
+{{- default (printf "%s-postgres" (include "clipstream.fullname" .)) .Values.secrets.postgres.existingSecret }}
+{{- end }}
+{{- define "clipstream.secret.objectStore" -}}
+{{- default (printf "%s-object-store" (include "clipstream.fullname" .)) .Values.secrets.objectStore.existingSecret }}
+{{- end }}
+
+{{- define "clipstream.objectStore" -}}
+{{- if .Values.mlflow.artifacts.objectStore.uri }}true{{ end }}
+{{- end }}
+
+{{/* Where the bundled or external services are. */}}
+{{- define "clipstream.mlflowUri" -}}
+{{- if .Values.mlflow.enabled }}
+{{- printf "http://%s-mlflow:5000" (include "clipstream.fullname" .) }}
+{{- else }}
+{{- required "mlflow.external.trackingUri is required when mlflow.enabled is false" .Values.mlflow.external.trackingUri }}
+{{- end }}
+{{- end }}
+
+{{- define "clipstream.qdrantUrl" -}}
+{{- if .Values.qdrant.enabled }}
+{{- printf "http://%s-qdrant:6333" (include "clipstream.fullname" .) }}
+{{- else }}
+{{- required "qdrant.external.url is required when qdrant.enabled is false" .Values.qdrant.external.url }}
+{{- end }}
+{{- end }}
+
+{{- define "clipstream.postgresHost" -}}
+{{- if .Values.postgres.enabled }}
+{{- printf "%s-postgres" (include "clipstream.fullname" .) }}
+{{- else }}
+{{- required "postgres.external.host is required when postgres.enabled is false" .Values.postgres.external.host }}
+{{- end }}
+{{- end }}
+
+{{- define "clipstream.postgresPort" -}}
+{{- if .Values.postgres.enabled }}5432{{ else }}{{ int .Values.postgres.external.port }}{{ end }}
+{{- end }}
+
+{{/* Pod and container security for the clipstream image (uid 1000, gid 100). */}}
+{{- define "clipstream.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 1000
+runAsGroup: 100
+fsGroup: 100
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{- define "clipstream.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+{{- end }}
+
+{{/*
+Ray Serve's throughput settings, read when Ray's processes start: services/app.py SERVE_ENV
+(tests/k8s/test_chart.py keeps the two equal).
+*/}}
+{{- define "clipstream.serveEnv" -}}
+- name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD
+  value: "0"
+- name: RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP
+  value: "0"
+- name: RAY_SERVE_USE_GRPC_BY_DEFAULT
+  value: "1"
+- name: RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE
+  value: "1000"
+- name: RAY_SERVE_LOG_TO_STDERR
+  value: "0"
+{{- end }}
+
+{{/* Environment of every Ray container (serving here; `clipstream k8s job` renders the same for training). */}}
+{{- define "clipstream.rayEnvFrom" -}}
+- configMapRef:
+    name: {{ include "clipstream.fullname" . }}-settings
+{{- if include "clipstream.objectStore" . }}
+- secretRef:
+    name: {{ include "clipstream.secret.objectStore" . }}
+    optional: true
+{{- end }}
+{{- end }}
+
+{{- define "clipstream.rayEnv" -}}
+- name: CLIPSTREAM_QDRANT_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "clipstream.secret.qdrant" . }}
+      key: api-key
+- name: CLIPSTREAM_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "clipstream.secret.api" . }}
+      key: api-key
+{{- with .Values.mlflow.artifacts.objectStore.endpointUrl }}
+- name: AWS_ENDPOINT_URL
+  value: {{ . | quote }}
+{{- end }}
+{{ include "clipstream.serveEnv" . }}
+{{- end }}
+
+{{- define "clipstream.rayVolumeMounts" -}}
+- name: runs
+  mountPath: /mnt/clipstream/runs
+- name: tmp
+  mountPath: /tmp
+- name: cache
+  mountPath: /home/ray/.cache
+- name: dshm
+  mountPath: /dev/shm
+{{- end }}
+
+{{- define "clipstream.rayVolumes" -}}
+- name: runs
+  persistentVolumeClaim:
+    claimName: {{ include "clipstream.fullname" . }}-runs
+- name: tmp
+  emptyDir: {}
+- name: cache
+  emptyDir: {}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.ray.shmSize }}
+{{- end }}
+
+{{/* Labels of Ray pods: the component plus the NetworkPolicy access labels. */}}
+{{- define "clipstream.rayPodLabels" -}}
+{{ include "clipstream.componentLabels" (dict "ctx" .ctx "component" .component) }}
+clipstream.io/qdrant-client: "true"
+clipstream.io/mlflow-client: "true"
+{{- end }}
+
+{{/* The serveConfigV2 of the RayService (a YAML document, see ray.serve.schema.ServeDeploySchema). */}}
+{{- define "clipstream.serveConfig" -}}
+{{- $grpc := dict "port" (int .Values.settings.grpc_port) "enable_reflection" true "grpc_servicer_functions" (list
+  "clipstream.v1.encoder_pb2_grpc.add_EncoderServicer_to_server"
+  "clipstream.v1.search_pb2_grpc.add_SearchServicer_to_server"
+  "clipstream.v1.admin_pb2_grpc.add_AdminServicer_to_server"
+  "clipstream.services.app.add_health_service") }}
+{{- $app := dict "name" "clipstream" "import_path" "clipstream.services.app:app" "route_prefix" "/clipstream" }}
+{{- toYaml (dict "proxy_location" "EveryNode" "grpc_options" $grpc "applications" (list $app)) }}
+{{- end }}
+
+{{/* Checks of value combinations the schema cannot express. */}}
+{{- define "clipstream.validate" -}}
+{{- if and (gt (int .Values.mlflow.replicas) 1) .Values.mlflow.enabled (not .Values.mlflow.artifacts.objectStore.uri) }}
+{{- fail "mlflow.replicas > 1 needs mlflow.artifacts.objectStore.uri (the artifacts PVC is ReadWriteOnce)" }}
+{{- end }}
+{{- if or (lt (int .Values.serve.replicas) (int .Values.serve.minReplicas)) (gt (int .Values.serve.replicas) (int .Values.serve.maxReplicas)) }}
+{{- fail "serve.replicas must lie between serve.minReplicas and serve.maxReplicas" }}
+{{- end }}
+{{- if and .Values.ingress.enabled (not .Values.ingress.host) }}
+{{- fail "ingress.host is required when ingress.enabled is true" }}
+{{- end }}
+{{- end }}

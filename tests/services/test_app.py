@@ -1,0 +1,24 @@
+"""The application by import path (`clipstream.services.app:app`), as `serve deploy` and a RayService's
+serveConfigV2 load it: Settings come from the replicas' environment when the config is applied, `args`
+override them by name, and a wrong name is refused."""
+
+import pytest
+from pydantic import ValidationError
+from ray._common.utils import import_attr
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary as build_from_config
+
+IMPORT_PATH = "clipstream.services.app:app"
+
+
+def test_the_import_path_builds_the_app_from_the_environment(settings, monkeypatch):
+    monkeypatch.setenv("CLIPSTREAM_SERVE_ENCODER_CPUS", "0.25")
+    monkeypatch.setenv("CLIPSTREAM_SERVE_REPLICAS", "3")
+    app = build_from_config(import_attr(IMPORT_PATH), {})
+    encoder = app._bound_deployment
+    assert (encoder.name, encoder.num_replicas, encoder.ray_actor_options) == ("Encoder", 3, {"num_cpus": 0.25})
+    assert build_from_config(import_attr(IMPORT_PATH), {"serve_replicas": 2})._bound_deployment.num_replicas == 2
+
+
+def test_unknown_args_are_refused(settings):
+    with pytest.raises(ValidationError, match="serve_replica"):
+        build_from_config(import_attr(IMPORT_PATH), {"serve_replica": 2})
