@@ -95,13 +95,14 @@ def _bench(args) -> None:
 
 def _serve(args) -> None:
     from clipstream.services import app
+    from clipstream.services.health import SERVICES
     from clipstream.training.job import init_ray
 
     settings = Settings(**({"serve_replicas": args.replicas} if args.replicas else {}))
     app.serving_environment()
     init_ray(settings)
     app.start(settings)
-    print(f"serving {', '.join(app.SERVICES)} on 0.0.0.0:{settings.grpc_port} (reflection and grpc.health.v1 on"
+    print(f"serving {', '.join(SERVICES)} on 0.0.0.0:{settings.grpc_port} (reflection and grpc.health.v1 on"
           f"{'; API key required' if settings.api_key else ''}); Ctrl-C stops", flush=True)
     try:
         while True:

@@ -7,7 +7,6 @@ import os
 import time
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ray import serve
 from ray.serve.config import gRPCOptions
 from ray.serve.generated import serve_pb2, serve_pb2_grpc
@@ -17,10 +16,9 @@ from clipstream.services.search import Search
 from clipstream.settings import Settings
 
 APP = "clipstream"
-SERVICES = ("clipstream.v1.Encoder", "clipstream.v1.Search", "clipstream.v1.Admin")
 GRPC_SERVICERS = ["clipstream.v1.encoder_pb2_grpc.add_EncoderServicer_to_server",
                   "clipstream.v1.search_pb2_grpc.add_SearchServicer_to_server",
-                  "clipstream.v1.admin_pb2_grpc.add_AdminServicer_to_server", "clipstream.services.app.add_health_service"]
+                  "clipstream.v1.admin_pb2_grpc.add_AdminServicer_to_server", "clipstream.services.health.add_health_service"]
 
 
 # Ray Serve's throughput settings (its RAY_SERVE_THROUGHPUT_OPTIMIZED mode, minus direct ingress, which
@@ -36,15 +34,6 @@ def serving_environment() -> None:
     """Put SERVE_ENV in this process's environment (values already set win), before Ray starts."""
     for key, value in SERVE_ENV.items():
         os.environ.setdefault(key, value)
-
-
-def add_health_service(_placeholder, server) -> None:
-    """Answered by the proxy itself (a passthrough service), like reflection: it is up when the proxy is."""
-    server.add_passthrough_service(health.SERVICE_NAME)
-    servicer = health.HealthServicer()
-    for name in ("", *SERVICES):
-        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
 
 
 def build(settings) -> serve.Application:

@@ -22,3 +22,16 @@ def test_the_import_path_builds_the_app_from_the_environment(settings, monkeypat
 def test_unknown_args_are_refused(settings):
     with pytest.raises(ValidationError, match="serve_replica"):
         build_from_config(import_attr(IMPORT_PATH), {"serve_replica": 2})
+
+
+def test_the_proxys_servicer_functions_import_nothing_heavy():
+    """Serve's gRPC proxies (one per node) import GRPC_SERVICERS by path: none of them may pull in torch."""
+    import subprocess
+    import sys
+
+    from clipstream.services.app import GRPC_SERVICERS
+
+    modules = sorted({path.rsplit(".", 1)[0] for path in GRPC_SERVICERS})
+    code = f"import sys, {', '.join(modules)}; print(sorted(m for m in ('torch', 'open_clip', 'ray') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

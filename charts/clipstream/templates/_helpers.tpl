@@ -195,7 +195,7 @@ clipstream.io/mlflow-client: "true"
   "clipstream.v1.encoder_pb2_grpc.add_EncoderServicer_to_server"
   "clipstream.v1.search_pb2_grpc.add_SearchServicer_to_server"
   "clipstream.v1.admin_pb2_grpc.add_AdminServicer_to_server"
-  "clipstream.services.app.add_health_service") }}
+  "clipstream.services.health.add_health_service") }}
 {{- $app := dict "name" "clipstream" "import_path" "clipstream.services.app:app" "route_prefix" "/clipstream" }}
 {{- toYaml (dict "proxy_location" "EveryNode" "grpc_options" $grpc "applications" (list $app)) }}
 {{- end }}
