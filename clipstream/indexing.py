@@ -2,7 +2,8 @@
 It joins the registry and the index (ground floor) with the task data (training), so it stands on top.
 
 `index_task` embeds one task's gallery with a version as a Ray Data batch-inference job (the model loaded
-once per actor) and stores it under the no-reindex or reindex policy; `put_lineage` makes the index hold
+once per actor; a gallery below `Settings.index_ray_min_rows` pairs in this process) and stores it under the
+no-reindex or reindex policy; `put_lineage` makes the index hold
 every task a version was trained through (what promotion needs); `evaluate_through_index` scores retrieval
 by querying the stored vectors, so the no-reindex policy (old vectors from old versions, queries from the
 latest) can be measured with the same R@K as the in-memory evaluator.
@@ -41,20 +42,29 @@ class _Embedder:
 
 
 def embed_gallery(version: Version, task: Task, task_index: int, split: str = "test", batch_size: int = 64,
-                  stored_images: Optional[dict] = None) -> TaskVectors:
+                  stored_images: Optional[dict] = None, ray_min_rows: int = 0) -> TaskVectors:
     """A task split embedded by `version`, rows in the split's order. `stored_images` (item_id -> vector
-    bytes, from the index) replaces image embedding when the version's image tower did not change."""
+    bytes, from the index) replaces image embedding when the version's image tower did not change.
+
+    A gallery of at least `ray_min_rows` pairs is a Ray Data job (the model loaded once per actor); a smaller
+    one is embedded here, in batches of the same size: starting the job's actors costs more than it does."""
     rows = task.check(split).rows
-    ds = read_split(task, split).map_batches(
-        _Embedder, fn_constructor_kwargs={"folder": str(version.folder), "root": str(task.root),
-                                          "images": stored_images is None},
-        batch_size=batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=1))
-    out = {str(r["id"]): r for r in ds.take_all()}
     ids = [str(r["id"]) for r in rows]
-    image = (np.stack([out[i]["image_vec"] for i in ids]) if stored_images is None else
-             np.stack([np.frombuffer(stored_images[i][0], dtype=np.float32) for i in ids]))
-    return TaskVectors(task.name, task_index, version.version, ids, image.astype(np.float32),
-                       np.stack([out[i]["text_vec"] for i in ids]).astype(np.float32),
+    images = stored_images is None
+    if len(rows) < ray_min_rows:
+        bundle = models.load_exported(version.folder)
+        text = bundle.embed_texts([str(r["caption"]) for r in rows], batch_size)
+        image = bundle.embed_images([task.image(r) for r in rows], batch_size) if images else None
+    else:
+        ds = read_split(task, split).map_batches(
+            _Embedder, fn_constructor_kwargs={"folder": str(version.folder), "root": str(task.root), "images": images},
+            batch_size=batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=1))
+        out = {str(r["id"]): r for r in ds.take_all()}
+        text = np.stack([out[i]["text_vec"] for i in ids])
+        image = np.stack([out[i]["image_vec"] for i in ids]) if images else None
+    if not images:
+        image = np.stack([np.frombuffer(stored_images[i][0], dtype=np.float32) for i in ids])
+    return TaskVectors(task.name, task_index, version.version, ids, image.astype(np.float32), text.astype(np.float32),
                        [str(r["caption"]) for r in rows], split)
 
 
@@ -74,13 +84,14 @@ def index_task(settings: Settings, version_ref: str, task_dir: str | Path, polic
     with open_index(settings, index_name) as index:
         index.progress = True
         if policy == NO_REINDEX:
-            state = index.append(embed_gallery(version, task, lineage[task.name][0], split))
+            state = index.append(embed_gallery(version, task, lineage[task.name][0], split,
+                                               ray_min_rows=settings.index_ray_min_rows))
         else:
             names = list(index.state()["tasks"]) + [task.name]
             unknown = [n for n in names if n not in lineage]
             if unknown:
                 raise ValueError(f"reindex refused: indexed task(s) {unknown} are not in this version's lineage")
-            state = index.reindex([_regallery(index, version, n, lineage, split)
+            state = index.reindex([_regallery(index, version, n, lineage, split, settings.index_ray_min_rows)
                                    for n in sorted(dict.fromkeys(names), key=lambda n: lineage[n][0])])
     return _record(registry, version.version, state, policy)
 
@@ -100,12 +111,13 @@ def put_lineage(settings: Settings, version: Version, split: str = "test") -> di
             for name, (i, entry) in lineage.items():
                 if name not in state["tasks"]:
                     task = _task_of(entry, "indexing", "keep the data of every task a version may need to index")
-                    state = _record(registry, version.version, index.append(embed_gallery(version, task, i, split)),
-                                    NO_REINDEX)
+                    gallery = embed_gallery(version, task, i, split, ray_min_rows=settings.index_ray_min_rows)
+                    state = _record(registry, version.version, index.append(gallery), NO_REINDEX)
         elif set(state["tasks"]) != set(lineage) or any(t["model_version"] != version.version
                                                         for t in state["tasks"].values()):
             state = _record(registry, version.version,
-                            index.reindex([_regallery(index, version, n, lineage, split) for n in lineage]), REINDEX)
+                            index.reindex([_regallery(index, version, n, lineage, split, settings.index_ray_min_rows)
+                                           for n in lineage]), REINDEX)
         # Search switches its query encoder here, with the gallery in place (a reindex already pinned it)
         return index.pin(version.version) if state["tasks"] else state
 
@@ -138,13 +150,15 @@ def _task_of(entry: dict, step: str, advice: str) -> Task:
         raise DataError(f"{step} refused: the raw data of task {entry['task']!r} is gone ({exc}); {advice}") from exc
 
 
-def _regallery(index: VectorIndex, version: Version, name: str, lineage: dict, split: str) -> TaskVectors:
+def _regallery(index: VectorIndex, version: Version, name: str, lineage: dict, split: str,
+               ray_min_rows: int = 0) -> TaskVectors:
     """Task `name` embedded by `version` for a reindex; an unmoved image tower reuses its stored vectors."""
     task_index, entry = lineage[name]
     task = _task_of(entry, "reindex", "reindexing re-embeds every indexed task, so keep their data or use "
                                       "--policy no-reindex")
     unchanged = "image" in version.manifest.get("unchanged_towers", []) and name in index.state()["tasks"]
-    return embed_gallery(version, task, task_index, split, stored_images=index.points(name, "image") if unchanged else None)
+    return embed_gallery(version, task, task_index, split, stored_images=index.points(name, "image") if unchanged else None,
+                         ray_min_rows=ray_min_rows)
 
 
 def _record(registry: Registry, version: str, state: dict, policy: Policy) -> dict:

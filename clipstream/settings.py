@@ -51,6 +51,8 @@ class Settings(BaseSettings):
     promote_max_forgetting: float = Field(25.0, description="a candidate's task-known mean forgetting (R points) may not exceed this")
     promote_max_aa_drop: float = Field(0.0, description="a candidate's task-known AA may be at most this far below production's")
     index_policy: Policy = Field(NO_REINDEX, description="how promotion puts the gallery in place")
+    index_ray_min_rows: int = Field(1024, ge=0, description="a gallery with fewer pairs is embedded in the indexing "
+                                    "process, not as a Ray Data job (whose start-up costs more than embedding it)")
     serve_replicas: int = Field(1, ge=1, description="Encoder replicas")
     serve_encoder_cpus: float = Field(0.5, ge=0, description="CPUs each Encoder replica reserves (0 shares the cores)")
     serve_search_cpus: float = Field(0.25, ge=0, description="CPUs the Search deployment reserves")

@@ -4,6 +4,7 @@ on both backends, and evaluation through the index checked against the in-memory
 import hashlib
 import shutil
 
+import numpy as np
 import pytest
 
 from clipstream import models
@@ -25,10 +26,13 @@ def _checksums(index, task):
     return {m: hashlib.sha256(repr(sorted(index.points(task, m).items())).encode()).hexdigest() for m in ("image", "text")}
 
 
-def _backend(settings, backend, tmp_path):
+def _backend(settings, backend, tmp_path, ray: bool = False):
+    """Settings for a fresh index on `backend`; galleries embedded as Ray Data jobs when `ray`, else (they are
+    small) in the calling process."""
+    update = {"index_ray_min_rows": 0} if ray else {}
     if backend == "edge":
-        return settings.model_copy(update={"qdrant_path": tmp_path / "edge"})
-    return settings.model_copy(update={"qdrant_url": f"local:{tmp_path / 'server'}"})
+        return settings.model_copy(update={**update, "qdrant_path": tmp_path / "edge"})
+    return settings.model_copy(update={**update, "qdrant_url": f"local:{tmp_path / 'server'}"})
 
 
 @pytest.mark.slow
@@ -61,10 +65,10 @@ def test_no_reindex_appends_each_task_with_its_own_version(trained, backend, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["edge", "server"])
-def test_reindex_matches_the_in_memory_evaluator(trained, backend, tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend, ray", [("edge", True), ("server", False)])
+def test_reindex_matches_the_in_memory_evaluator(trained, backend, ray, tmp_path, monkeypatch):
     settings, dirs = trained
-    settings = _backend(settings, backend, tmp_path)
+    settings = _backend(settings, backend, tmp_path, ray)
     for name, value in settings.env().items():
         monkeypatch.setenv(name, value)
     assert main(["index", "--version", "1", "--task", str(dirs[0])]) == 0
@@ -131,8 +135,21 @@ def test_reindex_reuses_stored_image_vectors_when_the_image_tower_did_not_change
     lineage = {e["task"]: (i, e) for i, e in enumerate(v3.lineage)}
     with open_index(settings) as index:
         stored = index.points("task-00-household", "image")
-        reused = _regallery(index, frozen, "task-00-household", lineage, "test")
-        fresh = _regallery(index, v3, "task-00-household", lineage, "test")
+        reused = _regallery(index, frozen, "task-00-household", lineage, "test", settings.index_ray_min_rows)
+        fresh = _regallery(index, v3, "task-00-household", lineage, "test", settings.index_ray_min_rows)
     assert [reused.image[i].tobytes() for i in range(len(reused.item_ids))] == [stored[i][0] for i in reused.item_ids]
     assert not (fresh.image == reused.image).all()  # version 3's own image tower would embed differently
     assert (fresh.text == reused.text).all()  # text is always re-embedded by the new version
+
+
+@pytest.mark.slow
+def test_the_ray_data_job_and_the_in_process_path_embed_alike(trained):
+    """Small galleries skip the Ray Data job (Settings.index_ray_min_rows): both paths give one gallery."""
+    from clipstream.indexing import embed_gallery
+
+    settings, dirs = trained
+    version, task = Registry(settings).resolve("2"), Task.load(dirs[1])
+    by_ray = embed_gallery(version, task, 1, ray_min_rows=0)
+    here = embed_gallery(version, task, 1, ray_min_rows=10**6)
+    assert by_ray.item_ids == here.item_ids and by_ray.captions == here.captions and len(here.item_ids) == 12
+    assert np.allclose(by_ray.image, here.image, atol=1e-6) and np.allclose(by_ray.text, here.text, atol=1e-6)

@@ -509,3 +509,16 @@ def test_inconsistent_values_fail():
     assert "qdrant.external.url" in helm_fails("--set", "qdrant.enabled=false")
     assert "objectStore" in helm_fails("--set", "mlflow.replicas=2")
     assert "ingress.host" in helm_fails("--set", "ingress.enabled=true")
+
+
+def test_values_schema_knows_every_setting_the_chart_does_not_set_itself():
+    """values.schema.json's `settings` are Settings' fields, less those the chart computes: a new Settings
+    field must be settable through the chart (and a removed one must not be)."""
+    import json
+
+    from clipstream.settings import Settings
+
+    schema = json.loads((REPO / CHART / "values.schema.json").read_text())
+    computed = {"home", "runs_dir", "ray_address", "mlflow_tracking_uri", "qdrant_url", "qdrant_api_key", "api_key",
+                "mlflow_artifact_root", "qdrant_path"}
+    assert set(schema["properties"]["settings"]["properties"]) == set(Settings.model_fields) - computed

@@ -83,7 +83,7 @@ def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(two_version
     assert f"{again['known']['task-00-household']['Rm']:.1f}" in out
     assert main(["runs"]) == 0
     listing = capsys.readouterr().out.splitlines()
-    assert listing[2].split()[:4] == ["1", "task-00-household", "finetune", "-"]
+    assert listing[2].split()[:5] == ["1", "s1-1", "task-00-household", "finetune", "-"]
     assert listing[3].split()[:5] == ["2", "candidate", "task-01-furnishing", "joint", "1"]
 
     # a task already in the lineage is refused; unknown references are clear errors
