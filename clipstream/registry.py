@@ -40,6 +40,10 @@ class RegistryError(LookupError):
     """A model reference that does not resolve, with the reason."""
 
 
+class NoSuchVersion(RegistryError):
+    """The reference is well formed but names no version (yet: `resolve(wait_s=...)` waits for it)."""
+
+
 class ClipEmbedder(mlflow.pyfunc.PythonModel):
     """The registered artifact as an MLflow pyfunc: captions in, L2-normalised text embeddings out."""
 
@@ -131,8 +135,8 @@ class Registry:
         while True:
             try:
                 return self._resolve(ref, download)
-            except RegistryError as exc:
-                if "no such model version" not in str(exc) or time.monotonic() + poll_s > deadline:
+            except NoSuchVersion as exc:
+                if time.monotonic() + poll_s > deadline:
                     if wait_s:
                         raise RegistryError(f"{exc} after waiting {wait_s:.0f} s: did the job that registers it "
                                             "fail? (kubectl get rayjobs)") from exc
@@ -155,7 +159,8 @@ class Registry:
         try:
             mv = self.client.get_model_version_by_alias(name, alias) if alias else self.client.get_model_version(name, number)
         except MlflowException as exc:
-            raise RegistryError(f"{text}: no such model version in {name!r} ({exc.error_code})") from exc
+            # (MLflow answers INVALID_PARAMETER_VALUE for a missing alias, RESOURCE_DOES_NOT_EXIST for a number)
+            raise NoSuchVersion(f"{text}: no such model version in {name!r} ({exc.error_code})") from exc
         version = Version(str(mv.version), dict(mv.tags), mv.run_id, list(mv.aliases), int(mv.creation_timestamp or 0))
         if download:
             version.folder = self.download(version.version, version.run_id)
