@@ -115,7 +115,8 @@ def _client(args):
     from clipstream.services.client import Client
 
     settings = Settings()
-    return Client(args.address or f"127.0.0.1:{settings.grpc_port}", api_key=settings.api_key)
+    args.address = args.address or f"127.0.0.1:{settings.grpc_port}"  # what the command's output names
+    return Client(args.address, api_key=settings.api_key)
 
 
 def _status(args) -> None:
@@ -137,7 +138,7 @@ def _health(args) -> int:
     """A probe for people and for `helm test`: one line, exit 0 only when the service answers SERVING."""
     with _client(args) as client:
         status = client.health(args.service)
-    print(f"{args.address or 'local'} {args.service or '(server)'}: {status}")
+    print(f"{args.address} {args.service or '(server)'}: {status}")
     return 0 if status == "SERVING" else 1
 
 

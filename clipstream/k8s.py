@@ -45,7 +45,6 @@ class Release:
     name: str = "clipstream"
     namespace: Optional[str] = None
     image: str = field(default_factory=default_image)
-    service_account: Optional[str] = None  # default: the release name, as the chart creates it
 
     def labels(self, component: str) -> dict:
         return {"app.kubernetes.io/name": "clipstream", "app.kubernetes.io/instance": self.name,
@@ -102,7 +101,7 @@ def _pod(release: Release, name: str, cpus, memory: str, gpus: float = 0, volume
     return {
         "metadata": {"labels": labels},
         "spec": {
-            "serviceAccountName": release.service_account or release.name,
+            "serviceAccountName": release.name,  # the chart's ServiceAccount is named after the release
             "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 100, "fsGroup": 100,
                                 "seccompProfile": {"type": "RuntimeDefault"}},
             "containers": [container],
