@@ -43,58 +43,84 @@ def stream(tmp_path_factory):
                       test_per_task=24, digits=False, progress=False)
 
 
-STREAM_FAST = ["train.epochs=1", "train.micro_batch=8", "train.log_every=1", "train.max_failures=0",
-               "train.warmup_steps=1"]
+def pytest_configure(config):
+    config.addinivalue_line("markers", "stream(method, stage): the test uses that trained stream (tests/streams.py)")
+
+
+def _needed_streams(items) -> list[tuple[str, int]]:
+    return list(dict.fromkeys(tuple(m.args) for i in items for m in i.iter_markers("stream")))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    """The tests that need trained streams run last, and the streams start training now, in a background
+    process (tests/streams.py), so that the other tests fill the cores that their jobs' start-ups leave idle."""
+    needed = _needed_streams(items)
+    if not needed or config.option.collectonly:
+        return
+    items[:] = [i for i in items if not i.get_closest_marker("stream")] + [i for i in items if i.get_closest_marker("stream")]
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    root = Path(tempfile.mkdtemp(prefix="clipstream-streams-"))
+    log = open(root / "streams.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "tests.streams", str(root), *[f"{m}:{s}" for m, s in needed]],
+                            cwd=config.rootpath, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    config.stash[_STREAMS] = (proc, root, needed)
+
+
+_STREAMS = pytest.StashKey()
+
+
+def pytest_unconfigure(config):
+    """Stop the background streams' process (this session's own, by its handle) and remove its files."""
+    import shutil
+    import subprocess
+
+    started = config.stash.get(_STREAMS, None)
+    if started:
+        proc, root, _ = started
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
-def three_tasks(tmp_path_factory):
-    """Three synthetic domain tasks, made once per session."""
-    from clipstream.training.data.synth import synthesize
+def trained_stream(request, tmp_path_factory):
+    """trained_stream(method, stage) -> (settings, task dirs): three synthetic tasks trained in turn from the
+    CLI, versions 1..3 of their own registry (tests/streams.py). A test that calls it must carry the marker
+    `stream(method, stage)`: the stream then trains in the background from the start of the session; one
+    without the marker trains it here, in the session's Ray."""
+    import time
 
-    return synthesize(tmp_path_factory.mktemp("three") / "data", tasks=3, seed=5, train_pairs=800, test_per_task=12,
-                      digits=False, progress=False)
-
-
-# Compositions of shipped presets, as a user would add them (Settings.presets): each stream test then checks
-# several methods' state at once, each on its own loss terms (one `penalty`, one `distill`: they never
-# collide), and the second composes a shipped composition (ctp_er) with two more methods.
-OWN_PRESETS = """
-mas_lwf:
-  inherit_from: [mas, lwf]
-ewc_modx_ctp_er:
-  inherit_from: [ewc, modx, ctp_er]
-"""
-
-
-@pytest.fixture(scope="session")
-def trained_stream(ray_cluster, three_tasks, tmp_path_factory):
-    """trained_stream(method, zero_stage) -> (settings, task dirs): `three_tasks` trained in turn from the CLI
-    (`clipstream train --parent ...`), versions 1..3 of their own registry. Trained once per session for each
-    (method, stage), so the tests that only need *a* trained stream (indexing) reuse one that a method's
-    stream test trains anyway. `method` may be one of OWN_PRESETS."""
-    from clipstream.cli import main
     from clipstream.settings import Settings
+    from tests import streams
 
-    done = {}
-    presets = tmp_path_factory.mktemp("presets") / "presets.yaml"
-    presets.write_text(OWN_PRESETS)
+    started = request.config.stash.get(_STREAMS, None)
+    here = tmp_path_factory.mktemp("streams")
 
     def train(method: str, stage: int):
-        if (method, stage) not in done:
-            home = tmp_path_factory.mktemp(f"{method}-zero{stage}") / "home"
-            settings = Settings(home=home, presets=presets).ensure_dirs()
-            extra = ["method.er.buffer_pairs=40"] if "er" in method.split("_") else []
-            with pytest.MonkeyPatch.context() as env:
-                for name, value in settings.env().items():
-                    env.setenv(name, value)
-                for i, folder in enumerate(three_tasks):
-                    args = ["train", "--task", str(folder), "--method", method, "--workers", "2"]
-                    for item in [*STREAM_FAST, f"train.zero_stage={stage}", *extra]:
-                        args += ["--set", item]
-                    assert main(args + (["--parent", str(i)] if i else [])) == 0
-            done[(method, stage)] = settings
-        return done[(method, stage)], three_tasks
+        if started and (method, stage) in started[2]:
+            proc, root, _ = started
+            deadline = time.monotonic() + 30 * 60
+            while not streams.done(root, method, stage).exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    tail = (root / "streams.log").read_text(errors="replace")[-6000:]
+                    pytest.fail(f"the background streams (exit {proc.poll()}) did not train {method} at ZeRO {stage}; "
+                                f"the end of {root / 'streams.log'}:\n{tail}")
+                time.sleep(1)
+        else:
+            root = here
+            if not streams.done(root, method, stage).exists():
+                streams.train(root, method, stage)
+        return Settings(home=streams.home(root, method, stage), presets=root / "presets.yaml"), streams.tasks(root)
 
     return train
 

@@ -16,10 +16,14 @@ from clipstream.training import evaluate
 from clipstream.training.data.task import DataError, Task
 
 
+STREAM = ("ewc_modx_ctp_er", 2)  # a method stream test's: trained once per session
+pytestmark = pytest.mark.stream(*STREAM)
+
+
 @pytest.fixture(scope="module")
 def trained(trained_stream):
-    """Versions 1..3 of a stream over three small synthetic tasks (a method stream test's: trained once)."""
-    return trained_stream("ewc_modx_ctp_er", 2)
+    """Versions 1..3 of a stream over three small synthetic tasks."""
+    return trained_stream(*STREAM)
 
 
 def _checksums(index, task):

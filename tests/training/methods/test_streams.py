@@ -10,14 +10,15 @@ from clipstream.training.data.task import Task
 
 # (preset, ZeRO stage): teacher and momentum copies must stay outside the partitioned optimizers of ZeRO 1
 # and 2 (ZeRO 0 partitions nothing; test_job trains with it). Each stream runs several methods together
-# (tests/conftest.OWN_PRESETS, the second built on the shipped `ctp_er`): the checks of each method run on
+# (tests/streams.OWN_PRESETS, the second built on the shipped `ctp_er`): the checks of each method run on
 # its own part of the composed state and its own loss terms, as they would alone. Six methods in two
-# streams of three jobs each: a stream costs ~2.5 minutes on 2 cores, mostly Ray and torch start-up.
+# streams of three jobs each: a stream costs ~2.5 minutes on 2 cores, mostly Ray and torch start-up, so both
+# train in the background while the other tests run (tests/streams.py).
 STREAMS = [("mas_lwf", 1), ("ewc_modx_ctp_er", 2)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, stage", STREAMS)
+@pytest.mark.parametrize("method, stage", [pytest.param(m, s, marks=pytest.mark.stream(m, s)) for m, s in STREAMS])
 def test_a_three_task_stream_carries_the_method_state(trained_stream, method, stage):
     settings, three_tasks = trained_stream(method, stage)
     registry = Registry(settings)

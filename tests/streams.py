@@ -1,0 +1,93 @@
+"""The session's trained method streams, trained in a background process while the other tests run.
+
+A stream is three synthetic tasks trained in turn from the CLI (`clipstream train --parent ...`) with a
+method preset and a ZeRO stage. Its jobs are mostly Ray and torch start-up, which leaves a quarter of the
+2 cores idle; the rest of the suite fills them. So when the collected tests need streams (the `stream`
+marker, see tests/conftest.py), one process started right after collection trains them all, one after
+the other, on its own local Ray, and the tests that need them run last and wait for them.
+
+    python -m tests.streams ROOT METHOD:STAGE [METHOD:STAGE ...]
+
+writes ROOT/data (the tasks), ROOT/METHOD-zeroSTAGE/home (the stream's clipstream home, versions 1..3)
+and, when that stream is done, ROOT/METHOD-zeroSTAGE.done.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+# Compositions of shipped presets, as a user would add them (Settings.presets): each stream test then checks
+# several methods' state at once, each on its own loss terms (one `penalty`, one `distill`: they never
+# collide), and the second composes a shipped composition (ctp_er) with two more methods.
+OWN_PRESETS = """
+mas_lwf:
+  inherit_from: [mas, lwf]
+ewc_modx_ctp_er:
+  inherit_from: [ewc, modx, ctp_er]
+"""
+
+FAST = ["train.epochs=1", "train.micro_batch=8", "train.log_every=1", "train.max_failures=0", "train.warmup_steps=1"]
+
+
+def tasks(root: Path) -> list[Path]:
+    """Three synthetic domain tasks (800 pairs each: the third task's job must still take several steps)."""
+    from clipstream.training.data.synth import synthesize
+
+    data = root / "data"
+    if not (data / ".done").exists():
+        synthesize(data, tasks=3, seed=5, train_pairs=800, test_per_task=12, digits=False, progress=False)
+        (data / ".done").touch()
+    return sorted(p for p in data.iterdir() if p.is_dir())
+
+
+def home(root: Path, method: str, stage: int) -> Path:
+    return root / f"{method}-zero{stage}" / "home"
+
+
+def done(root: Path, method: str, stage: int) -> Path:
+    return root / f"{method}-zero{stage}.done"
+
+
+def train(root: Path, method: str, stage: int) -> None:
+    """The stream's three tasks trained in turn with `clipstream train`, in this process's environment."""
+    from clipstream.cli import main
+    from clipstream.settings import Settings
+
+    folders = tasks(root)
+    presets = root / "presets.yaml"
+    presets.write_text(OWN_PRESETS)
+    settings = Settings(home=home(root, method, stage), presets=presets).ensure_dirs()
+    saved = {k: os.environ.get(k) for k in settings.env()}
+    os.environ.update(settings.env())
+    try:
+        extra = ["method.er.buffer_pairs=40"] if "er" in method.split("_") else []
+        for i, folder in enumerate(folders):
+            args = ["train", "--task", str(folder), "--method", method, "--workers", "2"]
+            for item in [*FAST, f"train.zero_stage={stage}", *extra]:
+                args += ["--set", item]
+            if main(args + (["--parent", str(i)] if i else [])) != 0:
+                raise SystemExit(f"stream {method} (ZeRO {stage}): `clipstream {' '.join(args)}` failed")
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    done(root, method, stage).touch()
+
+
+def _main(argv: list[str]) -> None:
+    # the session stops this process with SIGTERM when it ends early: leave through `finally` and atexit,
+    # so that the local Ray this process started is shut down with it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    root = Path(argv[0])
+    for spec in argv[1:]:
+        method, stage = spec.rsplit(":", 1)
+        train(root, method, int(stage))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
