@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-UV := $(VENV)/bin/uv pip --python $(PY)
+UV_INSTALL := $(VENV)/bin/uv pip install --python $(PY)
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/clipstream/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
@@ -21,9 +21,9 @@ setup: $(STAMP) $(STUBS) $(K8S_TOOLS)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q "uv>=0.9,<1"
-	$(UV) install -q "torch==2.14.1" "torchvision==0.29.1"
-	$(UV) install -q --no-build-isolation "deepspeed>=0.18,<0.20"
-	$(UV) install -q -e ".[dev]"
+	$(UV_INSTALL) -q "torch==2.14.1" "torchvision==0.29.1"
+	$(UV_INSTALL) -q --no-build-isolation "deepspeed>=0.18,<0.20"
+	$(UV_INSTALL) -q -e ".[dev]"
 	touch $(STAMP)
 
 # gRPC stubs land in the clipstream package as clipstream/v1/*_pb2*.py (package clipstream.v1).
