@@ -45,37 +45,44 @@ def stream(tmp_path_factory):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "stream(method, stage): the test uses that trained stream (tests/streams.py)")
+    config.addinivalue_line("markers", "cluster: the test uses the session's local cluster (tests/cluster.py)")
 
 
-def _needed_streams(items) -> list[tuple[str, int]]:
-    return list(dict.fromkeys(tuple(m.args) for i in items for m in i.iter_markers("stream")))
+_STREAMS = pytest.StashKey()
+_CLUSTER = pytest.StashKey()
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    """The tests that need trained streams run last, and the streams start training now, in a background
-    process (tests/streams.py), so that the other tests fill the cores that their jobs' start-ups leave idle."""
-    needed = _needed_streams(items)
-    if not needed or config.option.collectonly:
+    """Work that other processes do starts now, and the tests that wait for it run last: the method streams
+    train in a background process (tests/streams.py), the local cluster starts and its jobs train
+    (tests/cluster.py), while the other tests fill the cores that their start-ups leave idle."""
+    if config.option.collectonly:
         return
-    items[:] = [i for i in items if not i.get_closest_marker("stream")] + [i for i in items if i.get_closest_marker("stream")]
     import subprocess
     import sys
     import tempfile
     from pathlib import Path
 
-    root = Path(tempfile.mkdtemp(prefix="clipstream-streams-"))
-    log = open(root / "streams.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "tests.streams", str(root), *[f"{m}:{s}" for m, s in needed]],
-                            cwd=config.rootpath, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    config.stash[_STREAMS] = (proc, root, needed)
+    streams = list(dict.fromkeys(tuple(m.args) for i in items for m in i.iter_markers("stream")))
+    if streams:
+        root = Path(tempfile.mkdtemp(prefix="clipstream-streams-"))
+        log = open(root / "streams.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "tests.streams", str(root), *[f"{m}:{s}" for m, s in streams]],
+                                cwd=config.rootpath, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        config.stash[_STREAMS] = (proc, root, streams)
+    if any(i.get_closest_marker("cluster") for i in items):
+        from tests.cluster import ClusterSession
 
+        config.stash[_CLUSTER] = ClusterSession(Path(tempfile.mkdtemp(prefix="clipstream-cluster-"))).start()
 
-_STREAMS = pytest.StashKey()
+    def waits(item) -> int:
+        return 2 if item.get_closest_marker("cluster") else 1 if item.get_closest_marker("stream") else 0
+    items.sort(key=waits)  # stable: the order within each group is kept
 
 
 def pytest_unconfigure(config):
-    """Stop the background streams' process (this session's own, by its handle) and remove its files."""
+    """Stop what the session started in the background (its own processes, by their handles); remove its files."""
     import shutil
     import subprocess
 
@@ -90,6 +97,22 @@ def pytest_unconfigure(config):
                 proc.kill()
                 proc.wait()
         shutil.rmtree(root, ignore_errors=True)
+    cluster = config.stash.get(_CLUSTER, None)
+    if cluster:
+        left = cluster.stop()
+        shutil.rmtree(cluster.root, ignore_errors=True)
+        if left:
+            raise RuntimeError(f"the local cluster left processes behind: {left}")
+
+
+@pytest.fixture(scope="session")
+def cluster_session(request, tmp_path_factory):
+    """The session's local cluster with its two training jobs submitted (tests/cluster.py); a test that uses it
+    must carry the `cluster` marker, which starts it right after collection."""
+    started = request.config.stash.get(_CLUSTER, None)
+    if started is None:
+        pytest.fail("a test that uses the local cluster must carry @pytest.mark.cluster")
+    return started
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """The floors of the `clipstream` package (README "Layout"), enforced on every module's imports.
 
     top       clipstream.cli, the pipelines that join both sides (indexing, promotion), the benchmarks,
-              the cluster manifests (k8s)
+              the cluster manifests (k8s) and the local cluster (local_cluster)
     middle    clipstream.training (makes versions) | clipstream.services (serves them): never each other
     ground    settings, registry, vector index, model bundle, generated stubs: nothing above them
 
@@ -18,7 +18,8 @@ FOLDERS = {"clipstream": "clipstream", "training": "clipstream.training", "servi
            "benchmarks": "clipstream.benchmarks"}  # repository folder -> installed package (pyproject package-dir)
 GROUND = {"clipstream", "clipstream.settings", "clipstream.registry", "clipstream.index", "clipstream.models",
           "clipstream.mlflow_model", "clipstream.v1"}
-TOP = {"clipstream.cli", "clipstream.indexing", "clipstream.promotion", "clipstream.benchmarks", "clipstream.k8s"}
+TOP = {"clipstream.cli", "clipstream.indexing", "clipstream.promotion", "clipstream.benchmarks", "clipstream.k8s",
+       "clipstream.local_cluster"}
 MAY_IMPORT = {"ground": {"ground"}, "training": {"ground", "training"}, "services": {"ground", "services"},
               "top": {"ground", "training", "services", "top"}}
 

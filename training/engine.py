@@ -135,6 +135,7 @@ def train_loop(config: dict) -> None:
         method.before_task(task_ctx)
 
     logger = _MetricLogger(config.get("tracking"), rank)
+    logger.tag("ray.worker_nodes", ",".join(_gather_strings(ray.get_runtime_context().get_node_id())))
     shard = ray.train.get_dataset_shard("train")
     for epoch in range(start_epoch, train["epochs"]):
         engine.train()
@@ -187,6 +188,10 @@ class _MetricLogger:
 
             self.client, self.run_id = MlflowClient(tracking["uri"]), tracking["run_id"]
 
+    def tag(self, key: str, value: str) -> None:
+        if self.client:
+            self.client.set_tag(self.run_id, key, value)
+
     def log(self, step: int, losses: dict, **extra) -> None:
         values = {k: _mean_across_ranks(v) for k, v in losses.items()}  # a collective: every rank calls it
         if self.rank != 0:
@@ -198,6 +203,15 @@ class _MetricLogger:
 
             now = int(time.time() * 1000)
             self.client.log_batch(self.run_id, [Metric(k, float(v), now, step) for k, v in values.items()], synchronous=False)
+
+
+def _gather_strings(value: str) -> list[str]:
+    """`value` of every rank, in rank order (a collective: every rank calls it)."""
+    if not torch.distributed.is_initialized():
+        return [value]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, value)
+    return out
 
 
 def _mean_across_ranks(value: torch.Tensor) -> float:

@@ -188,7 +188,7 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
     init_ray(settings)
     deterministic = train["deterministic"]
     dataset = training_dataset(plan.sources, bundle.model.visual.preprocess_cfg, tokenizer,
-                               seed=train["seed"] if deterministic else None)
+                               seed=train["seed"] if deterministic else None, cpus=train["data_cpus"])
     ingest = DataConfig.default_ingest_options()
     ingest.preserve_order = deterministic  # rows reach the workers in the same order on every run
     gpus = plan.gpus_per_worker if plan.gpus_per_worker is not None else float(torch.cuda.is_available())
@@ -199,7 +199,9 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
                            "threads_per_worker": max(1, int(ray.available_resources().get("CPU", 1)) // plan.workers),
                            "parent_state": str(plan.parent.folder / METHOD_STATE_FILE) if plan.parent else None,
                            "current": plan.current, "tracking": {"uri": settings.mlflow_tracking_uri, "run_id": run_id}},
-        scaling_config=ScalingConfig(num_workers=plan.workers, use_gpu=gpus > 0,
+        # SPREAD: one worker per node where there are several (a RayJob has one worker pod per worker), where
+        # PACK would put two CPU workers on one pod's cores and leave the other pod idle
+        scaling_config=ScalingConfig(num_workers=plan.workers, use_gpu=gpus > 0, placement_strategy="SPREAD",
                                      resources_per_worker={"CPU": 1, "GPU": gpus} if gpus else {"CPU": 0.5}),
         run_config=RunConfig(name=f"{settings.stream}-{run_id}", storage_path=str(settings.runs_dir),
                              failure_config=FailureConfig(max_failures=train["max_failures"]),

@@ -69,16 +69,18 @@ def batch_image(batch: dict, i: int, root: str):
     return image_source(root, batch["image"][i], batch["image_bytes"][i] if "image_bytes" in batch else None)
 
 
-def read_split(task: Task, split: str) -> ray.data.Dataset:
-    """The raw rows of a split with Ray Data's own readers: `id, image, caption[, image_bytes]`."""
+def read_split(task: Task, split: str, cpus: float = 1.0) -> ray.data.Dataset:
+    """The raw rows of a split with Ray Data's own readers: `id, image, caption[, image_bytes]`, each read
+    task reserving `cpus`."""
     spec = task.split(split)
     files = [str(f) for f in spec.files]
+    remote = {"num_cpus": cpus}
     if spec.format == "jsonl":
-        return ray.data.read_json(files, lines=True)
+        return ray.data.read_json(files, lines=True, ray_remote_args=remote)
     if spec.format == "csv":
-        return ray.data.read_csv(files)
-    wds = ray.data.read_webdataset(files, decoder=None)
-    return wds.map_batches(_from_webdataset, batch_format="numpy")
+        return ray.data.read_csv(files, ray_remote_args=remote)
+    wds = ray.data.read_webdataset(files, decoder=None, ray_remote_args=remote)
+    return wds.map_batches(_from_webdataset, batch_format="numpy", num_cpus=cpus)
 
 
 def _from_webdataset(batch: dict) -> dict:
@@ -99,7 +101,8 @@ def _from_webdataset(batch: dict) -> dict:
 
 
 def training_dataset(tasks: Iterable[tuple[Task, Iterable[str]]], preprocess: dict, tokenizer: str,
-                     split: str = "train", seed: int | None = None, augment: bool = True) -> ray.data.Dataset:
+                     split: str = "train", seed: int | None = None, augment: bool = True,
+                     cpus: float = 1.0) -> ray.data.Dataset:
     """Union of the given tasks' splits as `{image: float32[3,H,W], text: int64[L]}` rows, images through
     open_clip's transform for `preprocess` (a model's `visual.preprocess_cfg`; with its random crop when
     `augment`), captions through the tokenizer named `tokenizer`.
@@ -107,12 +110,12 @@ def training_dataset(tasks: Iterable[tuple[Task, Iterable[str]]], preprocess: di
     Each entry is (task, ids to skip): the ids that checking found bad under the `skip` policy.
     With a `seed`, the rows' augmentations and the block order are fixed by it, so that run with
     `preserve_order` the dataset yields the same batches every time (each row is cropped the same
-    way in every epoch)."""
+    way in every epoch). Each read and preprocessing task reserves `cpus` (a preset's `train.data_cpus`)."""
     parts = []
     for task, skip_ids in tasks:
-        raw = read_split(task, split)
+        raw = read_split(task, split, cpus)
         parts.append(raw.map_batches(
-            _prepare, batch_format="numpy", batch_size=64,
+            _prepare, batch_format="numpy", batch_size=64, num_cpus=cpus,
             fn_kwargs={"root": str(task.root), "preprocess": json.dumps(dict(preprocess), sort_keys=True),
                        "augment": augment, "tokenizer": tokenizer,
                        "skip_ids": frozenset(map(str, skip_ids)), "seed": seed},
