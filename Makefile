@@ -11,7 +11,7 @@ K8S_TOOLS := $(VENV)/k8s-tools.stamp
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE ?= ghcr.io/clipstream/clipstream
 
-.PHONY: setup demo test stubs clean images k8s-base
+.PHONY: setup demo test test-cluster stubs clean images k8s-base
 
 setup: $(STAMP) $(STUBS) $(K8S_TOOLS)
 
@@ -59,6 +59,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest tests
+
+# The cluster tests (a 2-node Ray cluster, an MLflow server and the Jobs API on this machine, ~4 minutes):
+# not yet part of `make test`, whose 15-minute budget they would exceed.
+test-cluster: setup
+	CLIPSTREAM_TEST_CLUSTER=1 $(PY) -m pytest -m cluster tests
 
 clean:
 	rm -rf .clipstream clipstream/v1/*_pb2*

@@ -440,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = args.func(args)
     except Exception as exc:
+        job = _loaded("clipstream.training.job")
+        if job and isinstance(exc, job.TrainingFailed):  # not the input's fault: exit 1, the cause in one line
+            print(f"clipstream: error: {exc}", file=sys.stderr)
+            return 1
         if not isinstance(exc, _user_errors()):
             raise
         rpc = _loaded("grpc")

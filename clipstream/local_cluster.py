@@ -80,6 +80,9 @@ class LocalCluster:
     nodes: int = 2
     cpus_per_node: int = 1
     pod_settings: dict = field(default_factory=dict)  # CLIPSTREAM_* as a release's ConfigMap has them
+    # the environment its processes start from, taken when the cluster is made (not when a node starts, which
+    # may be in another thread while the caller's environment changes)
+    base_env: dict = field(default_factory=lambda: dict(os.environ))
     processes: list[Process] = field(default_factory=list)
 
     def __post_init__(self):
@@ -173,7 +176,8 @@ class LocalCluster:
 
     def _node_env(self) -> dict[str, str]:
         # the entrypoint of a job runs in the head's environment: this interpreter's bin first on PATH
-        env = {**os.environ, **self.auth_env, **self.pod_env(), "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+        env = {**self.base_env, **self.auth_env, **self.pod_env(),
+               "PATH": f"{Path(sys.executable).parent}:{self.base_env.get('PATH', '')}",
                "RAY_USAGE_STATS_ENABLED": "0"}
         env.pop("RAY_ADDRESS", None)
         return env
@@ -201,7 +205,7 @@ class LocalCluster:
         command = [mlflow, "server", "--host", "127.0.0.1", "--port", str(self.mlflow_port), "--workers", "1",
                    "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}", "--serve-artifacts",
                    "--artifacts-destination", str(store / "artifacts")]
-        self._spawn("mlflow", command, dict(os.environ))
+        self._spawn("mlflow", command, dict(self.base_env))
 
     def _wait(self, timeout_s: float) -> None:
         self._wait_for(lambda: _http_ok(f"{self.mlflow_uri}/health"), timeout_s, "the MLflow server")

@@ -8,6 +8,7 @@ version), in the environment the Helm chart's ConfigMap gives the pods."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -25,20 +26,21 @@ JOB_SETTINGS = ["train.epochs=1", "train.micro_batch=8", "train.log_every=1", "t
 
 def chart_settings() -> dict:
     """CLIPSTREAM_* as the chart's ConfigMap gives them to every pod of a release."""
-    from tests.k8s.k8s_checks import objects, run, tool
+    from tests.k8s.k8s_checks import REPO, objects, run, tool
 
-    text = run(tool("helm"), "template", "clipstream", "charts/clipstream")
+    text = run(tool("helm"), "template", "clipstream", str(REPO / "charts/clipstream"))
     (config,) = [d for d in objects(text) if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "clipstream-settings"]
     return config["data"]
 
 
-def rayjobs(tasks) -> list[dict]:
-    """What `clipstream k8s stream` prints for the tasks (CPU workers), as a user pipes it to kubectl."""
-    command = [str(Path(sys.executable).parent / "clipstream"), "k8s", "stream", "--tasks", *map(str, tasks),
-               "--name", "s", "--gpus-per-worker", "0", "--wait-parent", "900"]
-    out = subprocess.run(command + [a for item in JOB_SETTINGS for a in ("--set", item)], check=True,
-                         capture_output=True, text=True).stdout
-    return list(yaml.safe_load_all(out))
+def rayjobs(*args: str, settings=JOB_SETTINGS, env: dict | None = None) -> list[dict]:
+    """What `clipstream k8s ARGS` prints (CPU workers), as a user pipes it to kubectl."""
+    command = [str(Path(sys.executable).parent / "clipstream"), "k8s", *args, "--gpus-per-worker", "0"]
+    done = subprocess.run(command + [a for item in settings for a in ("--set", item)], capture_output=True, text=True,
+                          env=env)
+    if done.returncode:
+        raise RuntimeError(f"`{' '.join(done.args)}` exited {done.returncode}: {done.stderr[-2000:]}")
+    return list(yaml.safe_load_all(done.stdout))
 
 
 class ClusterSession:
@@ -51,6 +53,8 @@ class ClusterSession:
         self.manifests: list[dict] = []
         self.job_ids: list[str] = []
         self.error: BaseException | None = None
+        # the tests change the environment while the thread starts the cluster: it uses the session's
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("CLIPSTREAM_")}
         self._thread = threading.Thread(target=self._start, name="local-cluster", daemon=True)
 
     def start(self) -> "ClusterSession":
@@ -61,11 +65,12 @@ class ClusterSession:
         from clipstream.training.data.synth import synthesize
 
         try:
-            self.cluster = LocalCluster(self.root / "cluster", pod_settings=chart_settings())
+            self.cluster = LocalCluster(self.root / "cluster", pod_settings=chart_settings(), base_env=self.env)
             self.cluster.start()
             self.tasks = synthesize(self.cluster.shared / "data", tasks=2, seed=3, train_pairs=256, test_per_task=24,
                                     digits=False, progress=False)
-            self.manifests = rayjobs(self.tasks)
+            self.manifests = rayjobs("stream", "--tasks", *map(str, self.tasks), "--name", "s", "--wait-parent", "900",
+                                     env=self.env)
             client = self.cluster.jobs()
             self.job_ids = [client.submit_job(entrypoint=m["spec"]["entrypoint"], submission_id=m["metadata"]["name"])
                             for m in self.manifests]

@@ -31,6 +31,7 @@ from ray.train import (
     FailureConfig,
     RunConfig,
     ScalingConfig,
+    TrainingFailedError,
 )
 from ray.train.torch import TorchTrainer
 
@@ -41,6 +42,11 @@ from clipstream.training import diagnostics, evaluate, launch, methods
 from clipstream.training.data.reader import training_dataset
 from clipstream.training.data.task import DataError, Task
 from clipstream.training.engine import EXPORT_DIR, METHOD_STATE_FILE
+
+
+class TrainingFailed(RuntimeError):
+    """The job's workers failed more often than the preset allows (`train.max_failures`): a lost node, a
+    crash. Not the user's input: the CLI says so in one line and exits 1."""
 
 
 @dataclass
@@ -208,7 +214,12 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
                              checkpoint_config=CheckpointConfig(num_to_keep=1)),
         datasets={"train": dataset}, dataset_config=DataConfig(execution_options=ingest),
     )
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except TrainingFailedError as exc:  # the run is then closed as FAILED, and nothing is registered
+        cause = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise TrainingFailed(f"task {plan.task.name!r}: training failed after train.max_failures="
+                             f"{train['max_failures']} restarts ({cause}); no version was registered") from exc
     mlflow.log_metrics({f"train/{k}": v for k, v in result.metrics.items() if k in ("samples_per_s", "step_ms", "start_epoch", "step")})
     staged = plan.workdir / "checkpoint"  # the registered artifact's folder
     with result.checkpoint.as_directory() as folder:
