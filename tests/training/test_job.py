@@ -54,6 +54,7 @@ def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(two_version
     assert run.data.params["train_rows"] == str(sum(rows))  # joint trains on every task so far
     assert len(client.get_metric_history(v2.run_id, "loss")) >= 2
     assert run.data.metrics["train/start_epoch"] == 0
+    assert len(run.data.tags["ray.worker_nodes"].split(",")) == 2  # each rank's Ray node (one node here)
     # a step's own time fits within the epoch's time per step, which also waits on the input pipeline
     step_budget_ms = 1000 * 16 * 2 / run.data.metrics["train/samples_per_s"]  # FAST's micro batch x 2 workers
     assert 0 < run.data.metrics["train/step_ms"] <= step_budget_ms
