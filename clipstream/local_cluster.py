@@ -154,10 +154,6 @@ class LocalCluster:
         self.processes.clear()
         shutil.rmtree(self.temp, ignore_errors=True)
 
-    def leftovers(self) -> list[str]:
-        """The names of started processes of which something still runs (empty after `stop`)."""
-        return [p.name for p in self.processes if p.alive()]
-
     def kill_node(self, index: int) -> None:
         """Node `index` dies as a lost machine would: SIGKILL to its whole group, raylet and workers alike."""
         process = next(p for p in self.processes if p.name == f"ray-node-{index}")

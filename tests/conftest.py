@@ -111,7 +111,7 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture(scope="session")
-def cluster_session(request, tmp_path_factory):
+def cluster_session(request):
     """The session's local cluster with its two training jobs submitted (tests/cluster.py); a test that uses it
     must carry the `cluster` marker, which starts it right after collection."""
     started = request.config.stash.get(_CLUSTER, None)
@@ -121,33 +121,29 @@ def cluster_session(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def trained_stream(request, tmp_path_factory):
+def trained_stream(request):
     """trained_stream(method, stage) -> (settings, task dirs): three synthetic tasks trained in turn from the
-    CLI, versions 1..3 of their own registry (tests/streams.py). A test that calls it must carry the marker
-    `stream(method, stage)`: the stream then trains in the background from the start of the session; one
-    without the marker trains it here, in the session's Ray."""
+    CLI, versions 1..3 of their own registry (tests/streams.py), waited for. A test that calls it must carry
+    the marker `stream(method, stage)`, which starts the training right after collection."""
     import time
 
     from clipstream.settings import Settings
     from tests import streams
 
     started = request.config.stash.get(_STREAMS, None)
-    here = tmp_path_factory.mktemp("streams")
 
     def train(method: str, stage: int):
-        if started and (method, stage) in started[2]:
-            proc, root, _ = started
-            deadline = time.monotonic() + 30 * 60
-            while not streams.done(root, method, stage).exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    tail = (root / "streams.log").read_text(errors="replace")[-6000:]
-                    pytest.fail(f"the background streams (exit {proc.poll()}) did not train {method} at ZeRO {stage}; "
-                                f"the end of {root / 'streams.log'}:\n{tail}")
-                time.sleep(1)
-        else:
-            root = here
-            if not streams.done(root, method, stage).exists():
-                streams.train(root, method, stage)
+        if not started or (method, stage) not in started[2]:
+            pytest.fail(f"a test that uses trained_stream({method!r}, {stage}) must carry "
+                        f"@pytest.mark.stream({method!r}, {stage})")
+        proc, root, _ = started
+        deadline = time.monotonic() + 30 * 60
+        while not streams.done(root, method, stage).exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = (root / "streams.log").read_text(errors="replace")[-6000:]
+                pytest.fail(f"the background streams (exit {proc.poll()}) did not train {method} at ZeRO {stage}; "
+                            f"the end of {root / 'streams.log'}:\n{tail}")
+            time.sleep(1)
         return Settings(home=streams.home(root, method, stage), presets=root / "presets.yaml"), streams.tasks(root)
 
     return train

@@ -52,30 +52,24 @@ def done(root: Path, method: str, stage: int) -> Path:
 
 
 def train(root: Path, method: str, stage: int) -> None:
-    """The stream's three tasks trained in turn with `clipstream train`, in this process's environment."""
+    """The stream's three tasks trained in turn with `clipstream train` (this process's environment becomes the
+    stream's settings)."""
     from clipstream.cli import main
     from clipstream.settings import Settings
 
     folders = tasks(root)
     presets = root / "presets.yaml"
     presets.write_text(OWN_PRESETS)
-    settings = Settings(home=home(root, method, stage), presets=presets).ensure_dirs()
-    saved = {k: os.environ.get(k) for k in settings.env()}
-    os.environ.update(settings.env())
-    try:
-        extra = ["method.er.buffer_pairs=40"] if "er" in method.split("_") else []
-        for i, folder in enumerate(folders):
-            args = ["train", "--task", str(folder), "--method", method, "--workers", "2"]
-            for item in [*FAST, f"train.zero_stage={stage}", *extra]:
-                args += ["--set", item]
-            if main(args + (["--parent", str(i)] if i else [])) != 0:
-                raise SystemExit(f"stream {method} (ZeRO {stage}): `clipstream {' '.join(args)}` failed")
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    for name in [n for n in os.environ if n.startswith("CLIPSTREAM_")]:  # (the previous stream's)
+        del os.environ[name]
+    os.environ.update(Settings(home=home(root, method, stage), presets=presets).ensure_dirs().env())
+    extra = ["method.er.buffer_pairs=40"] if "er" in method.split("_") else []
+    for i, folder in enumerate(folders):
+        args = ["train", "--task", str(folder), "--method", method, "--workers", "2"]
+        for item in [*FAST, f"train.zero_stage={stage}", *extra]:
+            args += ["--set", item]
+        if main(args + (["--parent", str(i)] if i else [])) != 0:
+            raise SystemExit(f"stream {method} (ZeRO {stage}): `clipstream {' '.join(args)}` failed")
     done(root, method, stage).touch()
 
 
