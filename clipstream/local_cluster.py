@@ -8,9 +8,11 @@ through the Ray Jobs API. `LocalCluster` starts exactly those on loopback:
   2-worker training job spans both), with token authentication (a token of its own, never ~/.ray's);
 - `mlflow server` with a SQLite backend and `--serve-artifacts`: clients see only its URL, never the
   artifact directory;
-- the settings a release's ConfigMap gives its pods (`pod_env`), pointing at these, with Ray Train storage
-  and the embedded Qdrant Edge index on a directory both nodes reach (the chart's Qdrant server cannot run
-  here).
+- the environment the Helm chart gives its Ray pods (`Chart`: the ConfigMap's settings, the RayService
+  containers' variables and Secrets), pointing at these, with Ray Train storage and the embedded Qdrant Edge
+  index on a directory both nodes reach (the chart's Qdrant server cannot run here);
+- the chart's RayService `serveConfigV2`, deployed with `serve deploy` (Serve's REST API, what KubeRay does
+  with it), each node's Serve proxy on ports of its own.
 
 Every process it starts leads a process group of its own; `stop` ends exactly those groups (Ray's agents
 and workers included) and never touches another Ray on the machine.
@@ -18,6 +20,7 @@ and workers included) and never touches another Ray on the machine.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import secrets
@@ -31,6 +34,10 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import yaml
+
+CHART = Path(__file__).resolve().parents[1] / "charts" / "clipstream"
 
 
 def free_port() -> int:
@@ -72,6 +79,69 @@ class Process:
         self.popen.poll()
 
 
+def tool(name: str) -> str:
+    """A command-line tool: this interpreter's environment first (`make setup` puts helm there), then PATH."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.is_file() else shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"{name} not found next to {sys.executable} or on PATH: run `make setup`")
+    return found
+
+
+@dataclass
+class Chart:
+    """A release of charts/clipstream rendered by the real `helm template`, read the way Kubernetes reads it."""
+
+    objects: list[dict]
+    release: str = "clipstream"
+
+    @classmethod
+    def render(cls, values: dict | None = None, release: str = "clipstream") -> "Chart":
+        """`helm template RELEASE charts/clipstream -f VALUES` (a values file, as users keep theirs: `--set`
+        would turn 0.5 into a string)."""
+        if not CHART.is_dir():
+            raise FileNotFoundError(f"{CHART}: the Helm chart is not there (run this from a clipstream checkout)")
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml") as file:
+            yaml.safe_dump(values or {}, file)
+            file.flush()
+            done = subprocess.run([tool("helm"), "template", release, str(CHART), "-f", file.name],
+                                  capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"helm template failed ({done.returncode}): {done.stderr.strip()}")
+        return cls([d for d in yaml.safe_load_all(done.stdout) if d], release)
+
+    def find(self, kind: str, name: str) -> dict:
+        (found,) = [d for d in self.objects if d["kind"] == kind and d["metadata"]["name"] == name]
+        return found
+
+    @property
+    def service(self) -> dict:
+        return self.find("RayService", f"{self.release}-serve")["spec"]
+
+    @property
+    def serve_config(self) -> dict:
+        """The RayService's serveConfigV2: what KubeRay hands to Serve's REST API."""
+        return yaml.safe_load(self.service["serveConfigV2"])
+
+    def pod_env(self) -> dict[str, str]:
+        """The environment of the RayService's Ray containers: `envFrom` ConfigMaps, then `env` (literal values,
+        and Secret keys as the rendered Secrets hold them), as the kubelet composes it."""
+        container = self.service["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+        env: dict[str, str] = {}
+        for source in container.get("envFrom", []):
+            if "configMapRef" in source:
+                env.update(self.find("ConfigMap", source["configMapRef"]["name"])["data"])
+        for var in container.get("env", []):
+            if "value" in var:
+                env[var["name"]] = str(var["value"])
+            elif "secretKeyRef" in var.get("valueFrom", {}):
+                ref = var["valueFrom"]["secretKeyRef"]
+                secret = self.find("Secret", ref["name"])
+                env[var["name"]] = (secret.get("stringData", {}).get(ref["key"])
+                                    or base64.b64decode(secret["data"][ref["key"]]).decode())
+        return env
+
+
 @dataclass
 class LocalCluster:
     """`with LocalCluster(root) as cluster:` a 2-node Ray cluster and an MLflow server under `root`."""
@@ -79,7 +149,7 @@ class LocalCluster:
     root: Path
     nodes: int = 2
     cpus_per_node: int = 1
-    pod_settings: dict = field(default_factory=dict)  # CLIPSTREAM_* as a release's ConfigMap has them
+    pod_settings: dict = field(default_factory=dict)  # a release's pod environment (Chart.pod_env)
     # the environment its processes start from, taken when the cluster is made (not when a node starts, which
     # may be in another thread while the caller's environment changes)
     base_env: dict = field(default_factory=lambda: dict(os.environ))
@@ -92,6 +162,9 @@ class LocalCluster:
         self.temp = Path(tempfile.mkdtemp(prefix="cs-ray-"))
         self.token = secrets.token_hex(32)
         self.gcs_port, self.dashboard_port, self.mlflow_port = free_port(), free_port(), free_port()
+        # Serve's proxies: the head's HTTP port (gRPC's is the serve config's), every other node's own pair
+        self.http_port = free_port()
+        self.proxy_ports = {i: (free_port(), free_port()) for i in range(1, self.nodes)}
 
     # -- what clients use ------------------------------------------------------------------------------
     @property
@@ -119,7 +192,7 @@ class LocalCluster:
 
     def pod_env(self) -> dict[str, str]:
         """The environment of the cluster's pods: the release's settings pointed at this cluster's services."""
-        env = {k: v for k, v in self.pod_settings.items() if k != "CLIPSTREAM_QDRANT_URL"}
+        env = {k: v for k, v in self.pod_settings.items() if k not in ("CLIPSTREAM_QDRANT_URL", "CLIPSTREAM_QDRANT_API_KEY")}
         env.update({"CLIPSTREAM_MLFLOW_TRACKING_URI": self.mlflow_uri, "CLIPSTREAM_RAY_ADDRESS": "auto",
                     "CLIPSTREAM_RUNS_DIR": str(self.shared / "runs"), "CLIPSTREAM_QDRANT_PATH": str(self.shared / "qdrant"),
                     "CLIPSTREAM_HOME": str(self.root / "pod-home")})
@@ -154,6 +227,28 @@ class LocalCluster:
         self.processes.clear()
         shutil.rmtree(self.temp, ignore_errors=True)
 
+    def deploy_serve(self, config: dict, timeout_s: float = 300.0) -> None:
+        """`serve deploy` a serveConfigV2 (Serve's REST API, as KubeRay does), then wait until the head's gRPC
+        proxy routes to the application. Its HTTP proxy listens on loopback only, on a port of this cluster's."""
+        path = self.root / "serve-config.yaml"
+        path.write_text(yaml.safe_dump({**config, "http_options": {"host": "127.0.0.1", "port": self.http_port}}))
+        self._serve_cli("deploy", str(path))
+        from clipstream.services.app import wait_routed
+
+        wait_routed(f"127.0.0.1:{config['grpc_options']['port']}", timeout_s)
+
+    def shutdown_serve(self) -> None:
+        """`serve shutdown`: the applications, their replicas and the proxies go; the nodes stay."""
+        self._serve_cli("shutdown", "--yes")
+
+    def _serve_cli(self, *args: str) -> None:
+        env = {**self.base_env, **self.auth_env}
+        env.pop("RAY_ADDRESS", None)
+        done = subprocess.run([tool("serve"), args[0], "--address", self.dashboard_url, *args[1:]],
+                              capture_output=True, text=True, env=env, timeout=120)
+        if done.returncode:
+            raise RuntimeError(f"serve {args[0]} exited {done.returncode}: {(done.stderr or done.stdout)[-2000:]}")
+
     def kill_node(self, index: int) -> None:
         """Node `index` dies as a lost machine would: SIGKILL to its whole group, raylet and workers alike."""
         process = next(p for p in self.processes if p.name == f"ray-node-{index}")
@@ -170,16 +265,20 @@ class LocalCluster:
         self.processes.append(process)
         return process
 
-    def _node_env(self) -> dict[str, str]:
-        # the entrypoint of a job runs in the head's environment: this interpreter's bin first on PATH
+    def _node_env(self, index: int) -> dict[str, str]:
+        # the entrypoint of a job runs in the head's environment: this interpreter's bin first on PATH.
+        # Serve's proxies bind without SO_REUSEPORT, on ports of their own: pods have a network each, nodes on
+        # one machine do not, and a port shared by reuse would take requests meant for another Ray's proxy.
         env = {**self.base_env, **self.auth_env, **self.pod_env(),
                "PATH": f"{Path(sys.executable).parent}:{self.base_env.get('PATH', '')}",
-               "RAY_USAGE_STATS_ENABLED": "0"}
+               "RAY_USAGE_STATS_ENABLED": "0", "SERVE_SOCKET_REUSE_PORT_ENABLED": "0"}
+        if index in self.proxy_ports:
+            env["RAY_SERVE_WORKER_PROXY_HTTP_PORT"], env["RAY_SERVE_WORKER_PROXY_GRPC_PORT"] = map(str, self.proxy_ports[index])
         env.pop("RAY_ADDRESS", None)
         return env
 
     def _start_node(self, head: bool, index: int = 0) -> None:
-        ray = str(Path(sys.executable).parent / "ray")
+        ray = tool("ray")
         ports = ["--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
                  "--metrics-export-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
                  "--dashboard-agent-grpc-port", str(free_port()), "--runtime-env-agent-port", str(free_port())]
@@ -189,13 +288,13 @@ class LocalCluster:
             command = [ray, *common, "--head", "--port", str(self.gcs_port), "--include-dashboard", "true",
                        "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
                        "--ray-client-server-port", str(free_port())]
-            self._spawn("ray-head", command, self._node_env())
+            self._spawn("ray-head", command, self._node_env(index))
             self._wait_for(lambda: self._dashboard("/api/version") is not None, 90, "the Ray head's dashboard")
         else:
-            self._spawn(f"ray-node-{index}", [ray, *common, "--address", self.address], self._node_env())
+            self._spawn(f"ray-node-{index}", [ray, *common, "--address", self.address], self._node_env(index))
 
     def _start_mlflow(self) -> None:
-        mlflow = str(Path(sys.executable).parent / "mlflow")
+        mlflow = tool("mlflow")
         store = self.root / "mlflow"
         store.mkdir(exist_ok=True)
         command = [mlflow, "server", "--host", "127.0.0.1", "--port", str(self.mlflow_port), "--workers", "1",
@@ -204,17 +303,13 @@ class LocalCluster:
         self._spawn("mlflow", command, dict(self.base_env))
 
     def _wait(self, timeout_s: float) -> None:
-        self._wait_for(lambda: _http_ok(f"{self.mlflow_uri}/health"), timeout_s, "the MLflow server")
+        self._wait_for(lambda: _get(f"{self.mlflow_uri}/health") is not None, timeout_s, "the MLflow server")
         self._wait_for(lambda: self._alive_nodes() >= self.nodes, timeout_s, f"{self.nodes} Ray nodes")
 
     def _dashboard(self, path: str):
         """The dashboard's JSON answer at `path`, None while it does not answer."""
-        request = urllib.request.Request(self.dashboard_url + path, headers={"Authorization": f"Bearer {self.token}"})
-        try:
-            with urllib.request.urlopen(request, timeout=5) as response:
-                return json.load(response)
-        except Exception:
-            return None
+        body = _get(self.dashboard_url + path, {"Authorization": f"Bearer {self.token}"})
+        return None if body is None else json.loads(body)
 
     def _alive_nodes(self) -> int:
         answer = self._dashboard("/nodes?view=summary") or {"data": {"summary": []}}
@@ -232,9 +327,10 @@ class LocalCluster:
             time.sleep(0.5)
 
 
-def _http_ok(url: str) -> bool:
+def _get(url: str, headers: dict | None = None) -> bytes | None:
+    """The body of a 200 answer to GET `url`; None while nothing (or an error) answers."""
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status == 200
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=5) as response:
+            return response.read() if response.status == 200 else None
     except Exception:
-        return False
+        return None

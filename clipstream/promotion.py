@@ -63,12 +63,13 @@ def check_gates(registry: Registry, candidate: Version, production: Version | No
 
 
 def promote(settings: Settings, ref: str, *, force: bool = False, reason: str = "promote", index: bool = True) -> dict:
-    """Gates, then the gallery (settings.index_policy), then the alias, then the history record.
+    """Gates (against the version last put in place), then the gallery (settings.index_policy), then the alias,
+    then the history record.
 
     A failed gate refuses unless `force`; a failed indexing leaves the alias where it was."""
     registry = Registry(settings)
     candidate = registry.resolve(ref)
-    production = _production(registry)
+    production = _in_place(registry)
     gates = check_gates(registry, candidate, production, settings)
     failed = [g for g in gates if not g.passed]
     if failed and not force:
@@ -112,6 +113,15 @@ def rollback(settings: Settings, *, index: bool = True) -> dict:
 def gate_rows(gates: list[Gate]) -> list[tuple[str, ...]]:
     return [("gate", "value", "threshold", "result", "detail")] + [
         (g.name, _fmt(g.value), _fmt(g.threshold), "PASS" if g.passed else "FAIL", g.detail) for g in gates]
+
+
+def _in_place(registry: Registry) -> Version | None:
+    """What a promotion is gated against: the version the last recorded promotion put in place (gates checked,
+    gallery indexed), or the alias's when none was recorded. They differ when the alias was moved outside
+    `clipstream promote` (MLflow's client or UI, bypassing both): promoting the alias's version then
+    completes that move instead of being refused as "already production"."""
+    records = registry.promotions()
+    return registry.resolve(records[-1]["to_version"]) if records else _production(registry)
 
 
 def _production(registry: Registry, download: bool = True) -> Version | None:

@@ -53,20 +53,26 @@ def app(args: dict) -> serve.Application:
 
 def start(settings, timeout_s: float = 60.0) -> None:
     """Start Serve's gRPC proxy on settings.grpc_port and deploy the application; returns once the
-    proxy routes to it (the proxy learns new applications asynchronously after `serve.run`)."""
+    proxy routes to it."""
     serve.start(grpc_options=gRPCOptions(port=settings.grpc_port, grpc_servicer_functions=GRPC_SERVICERS,
                                          enable_reflection=True))
     serve.run(build(settings), name=APP, route_prefix=f"/{APP}")
-    with grpc.insecure_channel(f"127.0.0.1:{settings.grpc_port}") as channel:
+    wait_routed(f"127.0.0.1:{settings.grpc_port}", timeout_s)
+
+
+def wait_routed(address: str, timeout_s: float = 60.0) -> None:
+    """Return once the Serve gRPC proxy at `address` routes to the application: the proxy learns new
+    applications asynchronously after a deploy (`serve.run`, `serve deploy`, a RayService update)."""
+    with grpc.insecure_channel(address) as channel:
         ask = serve_pb2_grpc.RayServeAPIServiceStub(channel).ListApplications
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 if APP in ask(serve_pb2.ListApplicationsRequest(), timeout=timeout_s).application_names:
                     return
-            except grpc.RpcError as exc:  # UNAVAILABLE "Route table is not populated yet."
+            except grpc.RpcError as exc:  # UNAVAILABLE "Route table is not populated yet." or no proxy yet
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the gRPC proxy on port {settings.grpc_port} did not route to {APP!r} in {timeout_s} s")
-            time.sleep(0.1)
+                raise TimeoutError(f"the gRPC proxy at {address} did not route to {APP!r} in {timeout_s:g} s")
+            time.sleep(0.2)

@@ -66,6 +66,26 @@ def test_failing_gates_refuse_and_name_every_failure_unless_forced(settings, str
     assert (history(settings)[-1]["reason"], history(settings)[-1]["forced"]) == ("force", True)
 
 
+def test_promoting_a_version_a_registry_user_made_production_completes_that_move(settings, stream, make):
+    """Moving `production` with MLflow's own client bypasses gates and indexing; promoting that version then
+    gates it against the version last promoted (not against itself), and records the move."""
+    from mlflow import MlflowClient
+
+    v1 = make(stream[:1], aa=50.0, forgetting=0.0)
+    v2 = make(stream, aa=30.0, forgetting=0.0, parent=v1)
+    promote(settings, v1, index=False)
+    MlflowClient(settings.mlflow_tracking_uri).set_registered_model_alias(settings.stream, "production", v2)
+    with pytest.raises(PromotionError, match=f"aa 30.00 vs threshold 50.00 .*production v{v1}'s"):
+        promote(settings, v2, index=False)  # the gates still hold against what was promoted
+    assert _production(settings) == v2 and len(history(settings)) == 1  # nothing changed
+    settings = settings.model_copy(update={"promote_max_aa_drop": 25.0})
+    done = promote(settings, v2, index=False)
+    assert (done["from_version"], done["to_version"], done["forced"]) == (v1, v2, False)
+    assert [(r["from_version"], r["to_version"]) for r in history(settings)] == [("", v1), (v1, v2)]
+    with pytest.raises(PromotionError, match=f"not-production {v2} vs threshold != {v2}"):
+        promote(settings, v2, index=False)
+
+
 def test_rollback_undoes_promotions_in_order(settings, stream, make):
     with pytest.raises(PromotionError, match="nothing to roll back to.*nothing was promoted yet"):
         rollback(settings)
