@@ -235,7 +235,19 @@ class LocalCluster:
         self._serve_cli("deploy", str(path))
         from clipstream.services.app import wait_routed
 
+        def running() -> bool:
+            apps = self.serve_applications()
+            failed = [f"{name}: {app.get('message', '')}" for name, app in apps.items() if app["status"] == "DEPLOY_FAILED"]
+            if failed:
+                raise RuntimeError(f"serve deploy failed: {'; '.join(failed)}")
+            return bool(apps) and all(app["status"] == "RUNNING" for app in apps.values())
+
+        self._wait_for(running, timeout_s, "the Serve applications")
         wait_routed(f"127.0.0.1:{config['grpc_options']['port']}", timeout_s)
+
+    def serve_applications(self) -> dict:
+        """Serve's REST API view of the applications (status, deployments, replicas), {} before any deploy."""
+        return (self.dashboard("/api/serve/applications/") or {}).get("applications") or {}
 
     def shutdown_serve(self) -> None:
         """`serve shutdown`: the applications, their replicas and the proxies go; the nodes stay."""
@@ -289,7 +301,7 @@ class LocalCluster:
                        "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
                        "--ray-client-server-port", str(free_port())]
             self._spawn("ray-head", command, self._node_env(index))
-            self._wait_for(lambda: self._dashboard("/api/version") is not None, 90, "the Ray head's dashboard")
+            self._wait_for(lambda: self.dashboard("/api/version") is not None, 90, "the Ray head's dashboard")
         else:
             self._spawn(f"ray-node-{index}", [ray, *common, "--address", self.address], self._node_env(index))
 
@@ -306,13 +318,13 @@ class LocalCluster:
         self._wait_for(lambda: _get(f"{self.mlflow_uri}/health") is not None, timeout_s, "the MLflow server")
         self._wait_for(lambda: self._alive_nodes() >= self.nodes, timeout_s, f"{self.nodes} Ray nodes")
 
-    def _dashboard(self, path: str):
+    def dashboard(self, path: str):
         """The dashboard's JSON answer at `path`, None while it does not answer."""
         body = _get(self.dashboard_url + path, {"Authorization": f"Bearer {self.token}"})
         return None if body is None else json.loads(body)
 
     def _alive_nodes(self) -> int:
-        answer = self._dashboard("/nodes?view=summary") or {"data": {"summary": []}}
+        answer = self.dashboard("/nodes?view=summary") or {"data": {"summary": []}}
         return sum(1 for node in answer["data"]["summary"] if node.get("raylet", {}).get("state") == "ALIVE")
 
     def _wait_for(self, ready, timeout_s: float, what: str) -> None:

@@ -4,7 +4,8 @@ its jobs then run while the other tests do, and the cluster tests run last (test
 
 The jobs are the entrypoints of the RayJobs that `clipstream k8s stream` renders for two tasks, submitted at
 once through the Ray Jobs API (as `kubectl apply` of the stream starts them: the second waits for the first's
-version), in the environment the Helm chart's ConfigMap gives the pods."""
+version), in the environment the Helm chart gives its Ray pods; the chart's RayService (same values) is what
+the serving test deploys."""
 
 from __future__ import annotations
 
@@ -17,20 +18,17 @@ from pathlib import Path
 
 import yaml
 
-from clipstream.local_cluster import LocalCluster
+from clipstream.local_cluster import Chart, LocalCluster, free_port
 
 # each node has one CPU, half of it a training worker's: Ray Data's tasks get a quarter each
 JOB_SETTINGS = ["train.epochs=1", "train.micro_batch=8", "train.log_every=1", "train.max_failures=0",
                 "train.warmup_steps=1", "train.data_cpus=0.25"]
 
 
-def chart_settings() -> dict:
-    """CLIPSTREAM_* as the chart's ConfigMap gives them to every pod of a release."""
-    from tests.k8s.k8s_checks import REPO, objects, run, tool
-
-    text = run(tool("helm"), "template", "clipstream", str(REPO / "charts/clipstream"))
-    (config,) = [d for d in objects(text) if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "clipstream-settings"]
-    return config["data"]
+def chart_values() -> dict:
+    """The release's values: one CPU per node holds an Encoder (half) and Search (a quarter) replica; the gRPC
+    port is a free one (Service R-grpc's port in Kubernetes, the proxies' port here)."""
+    return {"settings": {"grpc_port": free_port(), "serve_encoder_cpus": 0.5, "serve_search_cpus": 0.25}}
 
 
 def rayjobs(*args: str, settings=JOB_SETTINGS, env: dict | None = None) -> list[dict]:
@@ -49,6 +47,7 @@ class ClusterSession:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.cluster: LocalCluster | None = None
+        self.chart: Chart | None = None
         self.tasks: list[Path] = []
         self.manifests: list[dict] = []
         self.job_ids: list[str] = []
@@ -65,7 +64,8 @@ class ClusterSession:
         from clipstream.training.data.synth import synthesize
 
         try:
-            self.cluster = LocalCluster(self.root / "cluster", pod_settings=chart_settings(), base_env=self.env)
+            self.chart = Chart.render(chart_values())
+            self.cluster = LocalCluster(self.root / "cluster", pod_settings=self.chart.pod_env(), base_env=self.env)
             self.cluster.start()
             self.tasks = synthesize(self.cluster.shared / "data", tasks=2, seed=3, train_pairs=256, test_per_task=24,
                                     digits=False, progress=False)

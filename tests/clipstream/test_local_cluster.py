@@ -1,7 +1,9 @@
 """Cluster mode for real: a 2-node Ray cluster (`ray start`) and an MLflow server over HTTP on this machine,
 training submitted through the Ray Jobs API with the entrypoints of the RayJobs `clipstream k8s stream`
-renders, under the settings of the Helm chart's ConfigMap."""
+renders, and serving deployed with `serve deploy` from the chart's RayService, all in the environment the
+Helm chart gives its Ray pods."""
 
+import json
 import os
 import subprocess
 import sys
@@ -52,6 +54,75 @@ def test_chained_jobs_train_across_both_nodes_and_register_on_the_mlflow_server(
     assert out.returncode == 0, out.stderr[-3000:]
     lineage, parameters = out.stdout.strip().splitlines()[-2:]
     assert lineage.split() == [t.name for t in tasks] and int(parameters) > 0
+
+
+def _clipstream(cluster, *args: str, cwd) -> str:
+    """`clipstream ARGS` as a user runs it against the cluster: the release's settings, nothing else."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CLIPSTREAM_")}, **cluster.pod_env()}
+    done = subprocess.run([os.path.join(os.path.dirname(sys.executable), "clipstream"), *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"clipstream {' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def test_the_charts_serve_config_serves_the_promoted_version_and_follows_the_alias(trained, cluster_session, tmp_path):
+    """The rendered RayService's serveConfigV2, deployed with `serve deploy`, answers gRPC on the chart's port
+    (with the API key of the chart's Secret); `clipstream index`/`promote` against the cluster put version 1
+    in place; moving `production` with MLflow's own client switches the Encoder to version 2, and Search
+    once `clipstream promote 2` put its gallery in place; no replica restarts."""
+    import grpc
+
+    from clipstream.services.client import Client
+    from clipstream.services.health import SERVICES
+    from clipstream.v1 import encoder_pb2
+
+    cluster, tasks, _ = trained
+    chart = cluster_session.chart
+    config = chart.serve_config
+    assert config["applications"][0]["import_path"] == "clipstream.services.app:app"
+    cluster.deploy_serve(config)
+    try:
+        port, key = config["grpc_options"]["port"], chart.pod_env()["CLIPSTREAM_API_KEY"]
+        assert int(chart.pod_env()["CLIPSTREAM_GRPC_PORT"]) == port and key
+        replicas = _replicas(cluster)
+        _clipstream(cluster, "index", "--version", "1", "--task", str(tasks[0]), cwd=tmp_path)
+        assert "production: none -> v1" in _clipstream(cluster, "promote", "1", cwd=tmp_path)
+        caption = json.loads((tasks[0] / "test.jsonl").read_text().splitlines()[0])["caption"]
+        with Client(f"127.0.0.1:{port}", api_key=key) as client:
+            assert [client.health(s) for s in ("", *SERVICES)] == ["SERVING"] * 4
+            hits = client.search(text=caption, k=5)
+            assert {h["query_model_version"] for h in hits} == {"1"} and {h["model_version"] for h in hits} == {"1"}
+            assert client.encode_text(["a red cube"])[1] == "1"
+            with pytest.raises(grpc.RpcError) as refused:  # the chart's Secret holds the key: nobody else gets in
+                Client(f"127.0.0.1:{port}", api_key="wrong").encode_text(["a red cube"])
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+            # a registry user promotes version 2 with MLflow's own client: the Encoder follows the alias, Search
+            # keeps encoding queries with version 1 until version 2's gallery is in place
+            MlflowClient(cluster.mlflow_uri).set_registered_model_alias("clipstream", "production", "2")
+            deadline = time.monotonic() + 60
+            while client.encode_text(["a red cube"])[1] != "2":
+                assert time.monotonic() < deadline, "the Encoder did not follow the alias to version 2"
+                time.sleep(0.5)
+            assert {h["query_model_version"] for h in client.search(text=caption, k=5)} == {"1"}
+            status = client.status()
+            assert not status["consistent"] and any("clipstream promote 2" in p for p in status["problems"])
+
+            assert "production: v1 -> v2" in _clipstream(cluster, "promote", "2", cwd=tmp_path)
+            hits = client.search(text=caption, k=48)
+            assert {h["query_model_version"] for h in hits} == {"2"}
+            assert {(h["task"], h["model_version"]) for h in hits} == {(tasks[0].name, "1"), (tasks[1].name, "2")}
+            assert client.status()["consistent"]
+        assert _replicas(cluster) == replicas  # the same replicas all along: no restart
+    finally:
+        cluster.shutdown_serve()  # its CPUs go back to the training jobs of the next test
+
+
+def _replicas(cluster) -> dict:
+    """{deployment: sorted replica ids} of the running application, from Serve's REST API."""
+    app = cluster.serve_applications()["clipstream"]
+    assert app["status"] == "RUNNING"
+    return {name: sorted(r["replica_id"] for r in d["replicas"]) for name, d in app["deployments"].items()}
 
 
 def test_a_node_lost_mid_training_fails_the_job_in_one_line_and_registers_nothing(trained, tmp_path):
