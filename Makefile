@@ -60,10 +60,10 @@ demo: setup
 test: setup
 	$(PY) -m pytest tests
 
-# The cluster tests (a 2-node Ray cluster, an MLflow server and the Jobs API on this machine, ~4 minutes):
-# not yet part of `make test`, whose 15-minute budget they would exceed.
+# Only the cluster tests (part of `make test`): a 2-node Ray cluster, an MLflow server, the Jobs API and
+# `serve deploy` on this machine, ~5 minutes.
 test-cluster: setup
-	CLIPSTREAM_TEST_CLUSTER=1 $(PY) -m pytest -m cluster tests
+	$(PY) -m pytest -m cluster tests
 
 clean:
 	rm -rf .clipstream clipstream/v1/*_pb2*

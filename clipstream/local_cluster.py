@@ -96,7 +96,7 @@ class Chart:
     release: str = "clipstream"
 
     @classmethod
-    def render(cls, values: dict | None = None, release: str = "clipstream") -> "Chart":
+    def render(cls, values: dict | None = None, release: str = "clipstream") -> Chart:
         """`helm template RELEASE charts/clipstream -f VALUES` (a values file, as users keep theirs: `--set`
         would turn 0.5 into a string)."""
         if not CHART.is_dir():
@@ -199,7 +199,7 @@ class LocalCluster:
         return env
 
     # -- lifecycle ---------------------------------------------------------------------------------------
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         try:
             self.start()
         except BaseException:
@@ -210,7 +210,7 @@ class LocalCluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self, timeout_s: float = 120.0) -> "LocalCluster":
+    def start(self, timeout_s: float = 120.0) -> LocalCluster:
         for path in (self.shared / "runs", self.shared / "qdrant", self.root / "logs", self.root / "pod-home"):
             path.mkdir(parents=True, exist_ok=True)
         self._start_mlflow()

@@ -10,8 +10,10 @@ the serving test deploys."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -44,8 +46,8 @@ def rayjobs(*args: str, settings=JOB_SETTINGS, env: dict | None = None) -> list[
 class ClusterSession:
     """`start()` returns at once; `trained()` waits for the cluster and its jobs; `stop()` ends everything."""
 
-    def __init__(self, root: Path):
-        self.root = Path(root)
+    def __init__(self):
+        self.root = Path(tempfile.mkdtemp(prefix="clipstream-cluster-"))
         self.cluster: LocalCluster | None = None
         self.chart: Chart | None = None
         self.tasks: list[Path] = []
@@ -56,7 +58,7 @@ class ClusterSession:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("CLIPSTREAM_")}
         self._thread = threading.Thread(target=self._start, name="local-cluster", daemon=True)
 
-    def start(self) -> "ClusterSession":
+    def start(self) -> ClusterSession:
         self._thread.start()
         return self
 
@@ -101,10 +103,13 @@ class ClusterSession:
         return self.job_ids
 
     def stop(self) -> list[str]:
-        """Stop the cluster; returns what was still running of it afterwards (nothing, or a bug)."""
+        """Stop the cluster and remove its files; returns what was still running of it afterwards (nothing, or a
+        bug)."""
         self._thread.join(120)
-        if self.cluster is None:
-            return []
-        started = list(self.cluster.processes)
-        self.cluster.stop()
-        return [p.name for p in started if p.alive()]
+        left = []
+        if self.cluster is not None:
+            started = list(self.cluster.processes)
+            self.cluster.stop()
+            left = [p.name for p in started if p.alive()]
+        shutil.rmtree(self.root, ignore_errors=True)
+        return left

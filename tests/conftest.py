@@ -48,38 +48,27 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cluster: the test uses the session's local cluster (tests/cluster.py)")
 
 
-_STREAMS = pytest.StashKey()
-_CLUSTER = pytest.StashKey()
+_BACKGROUND = pytest.StashKey()  # marker name -> the session of work it starts (start/stop, see below)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     """Work that other processes do starts now, and the tests that wait for it run last: the method streams
     train in a background process (tests/streams.py), the local cluster starts and its jobs train
-    (tests/cluster.py), while the other tests fill the cores that their start-ups leave idle."""
-    if not os.environ.get("CLIPSTREAM_TEST_CLUSTER"):  # `make test-cluster`: not yet in `make test`'s time budget
-        cluster = [i for i in items if i.get_closest_marker("cluster")]
-        if cluster:
-            config.hook.pytest_deselected(items=cluster)
-            items[:] = [i for i in items if not i.get_closest_marker("cluster")]
+    (tests/cluster.py), while the other tests fill the cores that their start-ups leave idle. Each is a
+    session object with `start()` (returns at once) and `stop()` (returns what it left running)."""
     if config.option.collectonly:
         return
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
+    from tests.cluster import ClusterSession
+    from tests.streams import StreamSession
 
+    background = {}
     streams = list(dict.fromkeys(tuple(m.args) for i in items for m in i.iter_markers("stream")))
     if streams:
-        root = Path(tempfile.mkdtemp(prefix="clipstream-streams-"))
-        log = open(root / "streams.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "tests.streams", str(root), *[f"{m}:{s}" for m, s in streams]],
-                                cwd=config.rootpath, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        config.stash[_STREAMS] = (proc, root, streams)
+        background["stream"] = StreamSession(streams, config.rootpath).start()
     if any(i.get_closest_marker("cluster") for i in items):
-        from tests.cluster import ClusterSession
-
-        config.stash[_CLUSTER] = ClusterSession(Path(tempfile.mkdtemp(prefix="clipstream-cluster-"))).start()
+        background["cluster"] = ClusterSession().start()
+    config.stash[_BACKGROUND] = background
 
     def waits(item) -> int:
         return 2 if item.get_closest_marker("cluster") else 1 if item.get_closest_marker("stream") else 0
@@ -87,37 +76,28 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_unconfigure(config):
-    """Stop what the session started in the background (its own processes, by their handles); remove its files."""
-    import shutil
-    import subprocess
+    """Stop what the session started in the background (its own processes, by their handles). A leftover is
+    said here; test_local_cluster asserts there is none."""
+    import warnings
 
-    started = config.stash.get(_STREAMS, None)
-    if started:
-        proc, root, _ = started
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(root, ignore_errors=True)
-    cluster = config.stash.get(_CLUSTER, None)
-    if cluster:
-        left = cluster.stop()
-        shutil.rmtree(cluster.root, ignore_errors=True)
+    for marker, work in config.stash.get(_BACKGROUND, {}).items():
+        left = work.stop()
         if left:
-            raise RuntimeError(f"the local cluster left processes behind: {left}")
+            warnings.warn(f"the background work of @pytest.mark.{marker} left processes behind: {left}")
+
+
+def _background(request, marker: str):
+    started = request.config.stash.get(_BACKGROUND, {}).get(marker)
+    if started is None:
+        pytest.fail(f"a test that uses this fixture must carry @pytest.mark.{marker}, which starts its work")
+    return started
 
 
 @pytest.fixture(scope="session")
 def cluster_session(request):
     """The session's local cluster with its two training jobs submitted (tests/cluster.py); a test that uses it
     must carry the `cluster` marker, which starts it right after collection."""
-    started = request.config.stash.get(_CLUSTER, None)
-    if started is None:
-        pytest.fail("a test that uses the local cluster must carry @pytest.mark.cluster")
-    return started
+    return _background(request, "cluster")
 
 
 @pytest.fixture(scope="session")
@@ -125,26 +105,19 @@ def trained_stream(request):
     """trained_stream(method, stage) -> (settings, task dirs): three synthetic tasks trained in turn from the
     CLI, versions 1..3 of their own registry (tests/streams.py), waited for. A test that calls it must carry
     the marker `stream(method, stage)`, which starts the training right after collection."""
-    import time
-
     from clipstream.settings import Settings
     from tests import streams
 
-    started = request.config.stash.get(_STREAMS, None)
-
     def train(method: str, stage: int):
-        if not started or (method, stage) not in started[2]:
+        started = _background(request, "stream")
+        if (method, stage) not in started.streams:
             pytest.fail(f"a test that uses trained_stream({method!r}, {stage}) must carry "
                         f"@pytest.mark.stream({method!r}, {stage})")
-        proc, root, _ = started
-        deadline = time.monotonic() + 30 * 60
-        while not streams.done(root, method, stage).exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = (root / "streams.log").read_text(errors="replace")[-6000:]
-                pytest.fail(f"the background streams (exit {proc.poll()}) did not train {method} at ZeRO {stage}; "
-                            f"the end of {root / 'streams.log'}:\n{tail}")
-            time.sleep(1)
-        return Settings(home=streams.home(root, method, stage), presets=root / "presets.yaml"), streams.tasks(root)
+        try:
+            home = started.trained(method, stage)
+        except RuntimeError as exc:
+            pytest.fail(str(exc))
+        return Settings(home=home, presets=started.root / "presets.yaml"), streams.tasks(started.root)
 
     return train
 

@@ -15,8 +15,12 @@ and, when that stream is done, ROOT/METHOD-zeroSTAGE.done.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 # Compositions of shipped presets, as a user would add them (Settings.presets): each stream test then checks
@@ -71,6 +75,46 @@ def train(root: Path, method: str, stage: int) -> None:
         if main(args + (["--parent", str(i)] if i else [])) != 0:
             raise SystemExit(f"stream {method} (ZeRO {stage}): `clipstream {' '.join(args)}` failed")
     done(root, method, stage).touch()
+
+
+class StreamSession:
+    """`start()` returns at once (this module runs in a process of its own); `trained(method, stage)` waits for one
+    stream; `stop()` ends the process (by its handle) and removes its files."""
+
+    def __init__(self, streams: list[tuple[str, int]], cwd: Path):
+        self.streams, self.cwd = streams, cwd
+        self.root = Path(tempfile.mkdtemp(prefix="clipstream-streams-"))
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> StreamSession:
+        with open(self.root / "streams.log", "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.streams", str(self.root),
+                                          *[f"{m}:{s}" for m, s in self.streams]],
+                                         cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def trained(self, method: str, stage: int, timeout_s: float = 30 * 60) -> Path:
+        """The stream's clipstream home once it is trained; an error with the end of the log if it never is."""
+        deadline = time.monotonic() + timeout_s
+        while not done(self.root, method, stage).exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = (self.root / "streams.log").read_text(errors="replace")[-6000:]
+                raise RuntimeError(f"the background streams (exit {self.proc.poll()}) did not train {method} at ZeRO "
+                                   f"{stage}; the end of {self.root / 'streams.log'}:\n{tail}")
+            time.sleep(1)
+        return home(self.root, method, stage)
+
+    def stop(self) -> list[str]:
+        """SIGTERM (the process shuts its own Ray down on the way out), SIGKILL after a minute; [] when it is gone."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.root, ignore_errors=True)
+        return []
 
 
 def _main(argv: list[str]) -> None:

@@ -74,7 +74,6 @@ def test_the_charts_serve_config_serves_the_promoted_version_and_follows_the_ali
 
     from clipstream.services.client import Client
     from clipstream.services.health import SERVICES
-    from clipstream.v1 import encoder_pb2
 
     cluster, tasks, _ = trained
     chart = cluster_session.chart
