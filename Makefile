@@ -11,7 +11,7 @@ K8S_TOOLS := $(VENV)/k8s-tools.stamp
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE ?= ghcr.io/clipstream/clipstream
 
-.PHONY: setup demo test test-cluster stubs clean images k8s-base
+.PHONY: setup demo cluster-demo test test-cluster stubs clean images k8s-base
 
 setup: $(STAMP) $(STUBS) $(K8S_TOOLS)
 
@@ -56,6 +56,11 @@ images:
 
 demo: setup
 	$(VENV)/bin/clipstream demo
+
+# The cluster path on this machine (clipstream.local_cluster.demo): 2 Ray nodes, an MLflow server, RayJobs through
+# the Jobs API, the chart's serveConfigV2 with `serve deploy`, promotion and gRPC search; stops all it started.
+cluster-demo: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/clipstream demo --cluster --tasks 2
 
 test: setup
 	$(PY) -m pytest tests

@@ -255,6 +255,11 @@ def _demo(args) -> None:
     from clipstream.training.job import run_task
 
     settings = Settings()
+    if args.cluster:
+        from clipstream import local_cluster
+
+        out = Path(args.out or settings.data_dir / f"cluster-demo-{time.strftime('%Y%m%d-%H%M%S')}")
+        return local_cluster.demo(out, args.method, args.tasks, args.seed, args.set)
     if not args.no_serve:
         from clipstream.services.app import serving_environment
 
@@ -430,6 +435,10 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--tasks", type=int, default=3, help="domain tasks (the digits task is added last)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--no-serve", action="store_true", help="stop after training (no indexing, promotion or serving)")
+    demo.add_argument("--cluster", action="store_true",
+                      help="the cluster path on this machine instead: 2 `ray start` nodes, `mlflow server`, the RayJobs "
+                           "of `clipstream k8s stream` through the Jobs API, the chart's RayService config `serve deploy`ed "
+                           "(needs helm: `make cluster-demo`; --tasks domain tasks, no digits task)")
     training_args(demo)
     demo.set_defaults(func=_demo)
     return p

@@ -16,6 +16,9 @@ through the Ray Jobs API. `LocalCluster` starts exactly those on loopback:
 
 Every process it starts leads a process group of its own; `stop` ends exactly those groups (Ray's agents
 and workers included) and never touches another Ray on the machine.
+
+`demo` (`clipstream demo --cluster`, `make cluster-demo`) runs the whole cluster path once: chained RayJobs
+through the Jobs API, the chart's serveConfigV2 deployed, promotion, gRPC searches.
 """
 
 from __future__ import annotations
@@ -38,6 +41,15 @@ from pathlib import Path
 import yaml
 
 CHART = Path(__file__).resolve().parents[1] / "charts" / "clipstream"
+# Training settings for nodes of one CPU: a worker holds half of it, Ray Data's read and preprocessing tasks
+# a quarter each (at the default of one CPU they would never be scheduled next to a worker)
+SMALL_NODES = ["train.data_cpus=0.25"]
+
+
+def small_node_values() -> dict:
+    """Chart values for nodes of one CPU: an Encoder replica (half of one) and Search (a quarter) fit on one; the
+    gRPC port a free one (Service R-grpc's in Kubernetes, every proxy's here)."""
+    return {"settings": {"grpc_port": free_port(), "serve_encoder_cpus": 0.5, "serve_search_cpus": 0.25}}
 
 
 def free_port() -> int:
@@ -105,7 +117,7 @@ class Chart:
             yaml.safe_dump(values or {}, file)
             file.flush()
             done = subprocess.run([tool("helm"), "template", release, str(CHART), "-f", file.name],
-                                  capture_output=True, text=True)
+                                  capture_output=True, text=True, cwd=CHART, check=False)
         if done.returncode:
             raise RuntimeError(f"helm template failed ({done.returncode}): {done.stderr.strip()}")
         return cls([d for d in yaml.safe_load_all(done.stdout) if d], release)
@@ -190,6 +202,31 @@ class LocalCluster:
 
         return JobSubmissionClient(self.dashboard_url, headers={"Authorization": f"Bearer {self.token}"})
 
+    def submit(self, rayjobs: list[dict]) -> list[str]:
+        """Submit RayJobs as KubeRay does: each one's entrypoint through the Jobs API, its name the submission id."""
+        client = self.jobs()
+        return [client.submit_job(entrypoint=job["spec"]["entrypoint"], submission_id=job["metadata"]["name"])
+                for job in rayjobs]
+
+    def wait_for_jobs(self, job_ids: list[str], timeout_s: float = 1800, done=None) -> None:
+        """Return once every job succeeded (calling `done(job_id)` as each ends); a job that failed raises with the
+        end of its logs."""
+        from ray.job_submission import JobStatus
+
+        client, pending = self.jobs(), list(job_ids)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            for job in [j for j in pending if client.get_job_status(j).is_terminal()]:
+                status = client.get_job_status(job)
+                if status != JobStatus.SUCCEEDED:
+                    raise RuntimeError(f"job {job}: {status.value}; the end of its logs:\n{client.get_job_logs(job)[-5000:]}")
+                pending.remove(job)
+                if done:
+                    done(job)
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"jobs {pending} still running after {timeout_s:g} s")
+            time.sleep(2)
+
     def pod_env(self) -> dict[str, str]:
         """The environment of the cluster's pods: the release's settings pointed at this cluster's services."""
         env = {k: v for k, v in self.pod_settings.items() if k not in ("CLIPSTREAM_QDRANT_URL", "CLIPSTREAM_QDRANT_API_KEY")}
@@ -257,7 +294,7 @@ class LocalCluster:
         env = {**self.base_env, **self.auth_env}
         env.pop("RAY_ADDRESS", None)
         done = subprocess.run([tool("serve"), args[0], "--address", self.dashboard_url, *args[1:]],
-                              capture_output=True, text=True, env=env, timeout=120)
+                              capture_output=True, text=True, env=env, cwd=self.root, timeout=120, check=False)
         if done.returncode:
             raise RuntimeError(f"serve {args[0]} exited {done.returncode}: {(done.stderr or done.stdout)[-2000:]}")
 
@@ -346,3 +383,54 @@ def _get(url: str, headers: dict | None = None) -> bytes | None:
             return response.read() if response.status == 200 else None
     except Exception:
         return None
+
+
+def rayjobs(*args: str, overrides=(), env: dict | None = None, cwd: Path | None = None) -> list[dict]:
+    """What `clipstream k8s ARGS --gpus-per-worker 0 --set ...` prints (CPU workers), as a user pipes it to kubectl.
+    `cwd`: where it runs (a thread must not rely on the process's working directory, which others may change)."""
+    command = [tool("clipstream"), "k8s", *args, "--gpus-per-worker", "0"]
+    done = subprocess.run(command + [a for item in overrides for a in ("--set", item)], capture_output=True, text=True,
+                          env=env, cwd=cwd, check=False)
+    if done.returncode:
+        raise RuntimeError(f"`{' '.join(done.args)}` exited {done.returncode}: {done.stderr[-2000:]}")
+    return list(yaml.safe_load_all(done.stdout))
+
+
+def demo(out: Path, method: str = "finetune", tasks: int = 2, seed: int = 0, overrides=()) -> None:
+    """The cluster path once, on this machine: a stream trained by RayJobs through the Jobs API on two nodes,
+    registered on the MLflow server, served from the chart's RayService config, promoted and searched."""
+    from tqdm import tqdm
+
+    from clipstream.cli import format_hits
+    from clipstream.services.client import Client
+    from clipstream.training.data.synth import synthesize
+    from clipstream.training.data.task import Task
+
+    chart = Chart.render(small_node_values())
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CLIPSTREAM_")}
+    with LocalCluster(Path(out).absolute() / "cluster", pod_settings=chart.pod_env(), base_env=base) as cluster:
+        print(f"== a Ray cluster of {cluster.nodes} nodes (`ray start`, dashboard {cluster.dashboard_url}) and "
+              f"`mlflow server` at {cluster.mlflow_uri}, under {cluster.root}")
+        dirs = synthesize(cluster.shared / "data", tasks=tasks, seed=seed, digits=False, progress=False)
+        jobs = rayjobs("stream", "--tasks", *map(str, dirs), "--name", "demo", "--method", method,
+                       overrides=[*SMALL_NODES, *overrides], env=base, cwd=cluster.root)
+        print(f"\n== training {len(dirs)} tasks: the RayJobs of `clipstream k8s stream` ({method}), submitted through "
+              "the Ray Jobs API at once; each waits for its parent's version")
+        with tqdm(total=len(jobs), unit="job") as bar:
+            cluster.wait_for_jobs(cluster.submit(jobs), done=lambda job: bar.update())
+        last = str(len(dirs))
+        print("\n== serving: the chart's RayService serveConfigV2, `serve deploy`ed")
+        cluster.deploy_serve(chart.serve_config)
+        env = {**base, **cluster.pod_env()}
+        print(f"\n== `clipstream promote {last} --force` against the cluster (a gate that fails is shown, not enforced)")
+        promoted = subprocess.run([tool("clipstream"), "promote", last, "--force"], env=env, cwd=cluster.root,
+                                  capture_output=True, text=True, check=False)
+        print(promoted.stdout.strip() or promoted.stderr.strip())
+        first = Task.load(dirs[0]).check("test").rows[0]
+        port = chart.serve_config["grpc_options"]["port"]
+        with Client(f"127.0.0.1:{port}", api_key=chart.pod_env().get("CLIPSTREAM_API_KEY")) as client:
+            for task in (dirs[0].name, None):
+                print()
+                print(format_hits(client.search(text=first["caption"], task=task or "", k=5), first["caption"], task))
+        cluster.shutdown_serve()
+        print(f"\nstopping the cluster; its files stay under {cluster.root}")

@@ -130,11 +130,12 @@ def test_a_node_lost_mid_training_fails_the_job_in_one_line_and_registers_nothin
     on the head alone cannot work here: one CPU holds both workers and leaves none for Ray Data.)"""
     from ray.job_submission import JobStatus
 
-    from tests.cluster import JOB_SETTINGS, rayjobs
+    from clipstream.local_cluster import rayjobs
+    from tests.cluster import JOB_SETTINGS
 
     cluster, tasks, _ = trained
     settings = [*JOB_SETTINGS, "train.epochs=100"]  # far longer than the test waits
-    (manifest,) = rayjobs("job", "--task", str(tasks[0]), "--name", "lost", settings=settings)
+    (manifest,) = rayjobs("job", "--task", str(tasks[0]), "--name", "lost", overrides=settings, cwd=tmp_path)
     client = cluster.jobs()
     job = client.submit_job(entrypoint=manifest["spec"]["entrypoint"])
     deadline = time.monotonic() + 300
