@@ -251,15 +251,15 @@ def _history(args) -> None:
 
 
 def _demo(args) -> None:
-    from clipstream.training.data.synth import synthesize
-    from clipstream.training.job import run_task
-
     settings = Settings()
-    if args.cluster:
+    if args.cluster:  # everything runs in the cluster's processes: this one imports no training stack
         from clipstream import local_cluster
 
         out = Path(args.out or settings.data_dir / f"cluster-demo-{time.strftime('%Y%m%d-%H%M%S')}")
         return local_cluster.demo(out, args.method, args.tasks, args.seed, args.set)
+    from clipstream.training.data.synth import synthesize
+    from clipstream.training.job import run_task
+
     if not args.no_serve:
         from clipstream.services.app import serving_environment
 
