@@ -107,8 +107,8 @@ def train_loop(config: dict) -> None:
         torch.set_num_threads(config["threads_per_worker"])
 
     bundle = models.create(config["model"]["arch"], config["model_source"])
-    model = prepare_for_deepspeed(bundle.model)
     method = methods.build(config)
+    model = method.prepare_model(prepare_for_deepspeed(bundle.model))
     if config.get("parent_state"):
         method.load_state_dict(torch.load(config["parent_state"], weights_only=False))
 
@@ -173,7 +173,7 @@ def _report_epoch(engine, method, bundle, epoch: int, step: int, rank: int, metr
         if rank == 0:
             (Path(folder) / STATE_FILE).write_text(json.dumps({"epoch": epoch, "step": step}))
             torch.save(method.state_dict(), Path(folder) / METHOD_STATE_FILE)
-            bundle.model = engine.module
+            bundle.model = method.export_model(engine.module)
             models.export(bundle, Path(folder) / EXPORT_DIR)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
 

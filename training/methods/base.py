@@ -61,8 +61,9 @@ class Method:
     """Sequential fine-tuning is the base behaviour; a method overrides only the hooks it needs.
 
     Lifecycle per task job: `load_state_dict` (state saved with the parent version; on the driver too)
-    → `extra_tasks` (driver) → `before_task` → for each step: `loss_terms` → `after_step` →
-    `after_task` (with the task's last `task_end_batches` batches) → `state_dict` (saved with the version).
+    → `extra_tasks` (driver) → `prepare_model` (before the engine is built) → `before_task` → for each step:
+    `loss_terms` → `after_step` → `after_task` (with the task's last `task_end_batches` batches) →
+    `state_dict` (saved with the version); `export_model` gives the plain open_clip model each export holds.
     """
 
     name = "finetune"
@@ -76,6 +77,15 @@ class Method:
     def extra_tasks(self, current: dict, history: list[dict], workdir: str) -> list[dict]:
         """Training data besides the current task's: lineage-style entries `{task, path, ...}`."""
         return []
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model the engine trains (adapters added, parameters frozen); also on a resumed worker, whose
+        checkpoint then fills what this added."""
+        return model
+
+    def export_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The plain open_clip model that a checkpoint's export (and so the version) holds; must not change `model`."""
+        return model
 
     def before_task(self, ctx: TaskContext) -> None:
         pass
@@ -126,6 +136,16 @@ class Stack(Method):
         for c in self.components:
             entries.update({e["task"]: e for e in c.extra_tasks(current, history, workdir)})
         return list(entries.values())
+
+    def prepare_model(self, model):
+        for c in self.components:
+            model = c.prepare_model(model)
+        return model
+
+    def export_model(self, model):
+        for c in reversed(self.components):
+            model = c.export_model(model)
+        return model
 
     def before_task(self, ctx):
         for c in self.components:

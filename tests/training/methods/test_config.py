@@ -25,7 +25,7 @@ CUSTOM = {
 
 
 SHIPPED = {"finetune": [], "joint": ["joint"], "ewc": ["ewc"], "mas": ["mas"], "lwf": ["lwf"], "er": ["er"],
-           "modx": ["modx"], "ctp": ["ctp"], "ctp_er": ["ctp", "er"]}
+           "modx": ["modx"], "ctp": ["ctp"], "ctp_er": ["ctp", "er"], "cclip": ["cclip"]}
 
 
 def test_shipped_presets_resolve_with_all_base_keys_and_build_their_methods():

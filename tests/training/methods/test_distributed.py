@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from clipstream.training.losses import ckc_loss
 from clipstream.training.methods.ctp import cmc_loss, topology_losses
 from clipstream.training.methods.lwf import lwf_distill
 from clipstream.training.methods.modx import modx_distill
@@ -29,6 +30,9 @@ CASES = {
     "ctp_cmc": lambda i, t, ti, tt, mi, mt, q: cmc_loss(i, t, mi, mt, q, q, 0.07)[0],
     "ctp_topology_c": lambda i, t, ti, tt, mi, mt, q: topology_losses(i, t, ti, tt, 0.07)[0],
     "ctp_topology_s": lambda i, t, ti, tt, mi, mt, q: topology_losses(i, t, ti, tt, 0.07)[1],
+    # C-CLIP's CKC over the stacked items: gathered rank by rank ([img0, txt0, img1, txt1]), a reordering of the
+    # single process's [img, txt] that the loss does not see
+    "cclip_ckc": lambda i, t, ti, tt, mi, mt, q: ckc_loss([3 * i, 2 * t], [ti, tt], torch.tensor(10.0)),
 }
 
 

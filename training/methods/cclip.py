@@ -1,0 +1,50 @@
+"""C-CLIP: a fresh LoRA per task on both towers, merged into the weights at task end, plus contrastive knowledge
+consolidation (CKC) against the previous model ("C-CLIP: Multimodal Continual Learning for Vision-Language
+Model", ICLR 2025 submission).
+
+Per task: adapters on the preset's `targets` (fused attention projections included, see `lora`), the rest
+frozen; a projector h (linear, identity init, new per task) trained with them. The loss adds CKC between
+h(new features) and the previous model's features, obtained by switching the adapters off: no second copy in
+memory. At export every adapter is merged with W += merge·(alpha/rank)·B·A and removed (and the projector
+dropped), so a version is a plain open_clip model with no extra inference cost.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from clipstream.training.losses import ckc_loss
+from clipstream.training.methods import lora
+from clipstream.training.methods.base import Method, forward_features
+
+PROJECTOR = "cclip_projector"  # the projector's attribute on the model while it trains (never exported)
+
+
+class CClip(Method):
+    name = "cclip"
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        p = self.params
+        lora.inject(model, p["targets"], p["rank"], p["alpha"], p["dropout"])
+        dim = model.text_projection.shape[1] if model.text_projection is not None else model.visual.output_dim
+        projector = torch.nn.Linear(dim, dim)
+        with torch.no_grad():
+            projector.weight.copy_(torch.eye(dim))
+            projector.bias.zero_()
+        setattr(model, PROJECTOR, projector.to(next(model.parameters()).device))
+        return model
+
+    def loss_terms(self, ctx, batch, feats):
+        model = ctx.model
+        with torch.no_grad(), lora.disabled(model):  # θ(t-1) exactly: the base weights, adapters off
+            old = forward_features(model, batch["image"], batch["text"])
+        projector = getattr(model, PROJECTOR)
+        new = [projector(feats.image), projector(feats.text)]
+        return {"ckc": self.params["ckc_weight"] * ckc_loss(new, [old.image, old.text], feats.logit_scale)}
+
+    def export_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        plain = copy.deepcopy(model)
+        delattr(plain, PROJECTOR)
+        return lora.merge(plain, self.params["merge"])
