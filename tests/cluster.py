@@ -1,6 +1,7 @@
-"""The session's local cluster (clipstream.local_cluster) and the training jobs submitted to it, started in a
-thread right after collection when a collected test carries the `cluster` marker: the cluster's processes and
-its jobs then run while the other tests do, and the cluster tests run last (tests/conftest.py).
+"""The session's local cluster (clipstream.local_cluster) and the training jobs submitted to it, started when the
+first test that carries the `cluster` marker asks for it; those tests run last (tests/conftest.py). It does not
+start at collection, as the method streams do: two Ray nodes, an MLflow server and two DeepSpeed jobs next to the
+rest of the suite oversubscribe 2 cores so far that Serve's proxies miss their 60 s start-up deadline (CI, 24/11).
 
 The jobs are the entrypoints of the RayJobs that `clipstream k8s stream` renders for two tasks, submitted at
 once through the Ray Jobs API (as `kubectl apply` of the stream starts them: the second waits for the first's
@@ -37,7 +38,8 @@ class ClusterSession:
         self._thread = threading.Thread(target=self._start, name="local-cluster", daemon=True)
 
     def start(self) -> ClusterSession:
-        self._thread.start()
+        if self._thread.ident is None:  # once
+            self._thread.start()
         return self
 
     def _start(self) -> None:
@@ -71,7 +73,8 @@ class ClusterSession:
     def stop(self) -> list[str]:
         """Stop the cluster and remove its files; returns what was still running of it afterwards (nothing, or a
         bug)."""
-        self._thread.join(120)
+        if self._thread.ident is not None:
+            self._thread.join(120)
         left = []
         if self.cluster is not None:
             started = list(self.cluster.processes)

@@ -53,10 +53,11 @@ _BACKGROUND = pytest.StashKey()  # marker name -> the session of work it starts 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    """Work that other processes do starts now, and the tests that wait for it run last: the method streams
-    train in a background process (tests/streams.py), the local cluster starts and its jobs train
-    (tests/cluster.py), while the other tests fill the cores that their start-ups leave idle. Each is a
-    session object with `start()` (returns at once) and `stop()` (returns what it left running)."""
+    """Work that other processes do, and the tests that wait for it run last: the method streams train in a
+    background process started now (tests/streams.py), while the other tests fill the cores that their
+    start-ups leave idle; the local cluster (tests/cluster.py) starts when the first cluster test needs it,
+    after everything else. Each is a session object with `start()` (returns at once) and `stop()` (returns
+    what it left running)."""
     if config.option.collectonly:
         return
     from tests.cluster import ClusterSession
@@ -67,7 +68,7 @@ def pytest_collection_modifyitems(session, config, items):
     if streams:
         background["stream"] = StreamSession(streams, config.rootpath).start()
     if any(i.get_closest_marker("cluster") for i in items):
-        background["cluster"] = ClusterSession().start()
+        background["cluster"] = ClusterSession()  # started by the fixture
     config.stash[_BACKGROUND] = background
 
     def waits(item) -> int:
@@ -96,8 +97,8 @@ def _background(request, marker: str):
 @pytest.fixture(scope="session")
 def cluster_session(request):
     """The session's local cluster with its two training jobs submitted (tests/cluster.py); a test that uses it
-    must carry the `cluster` marker, which starts it right after collection."""
-    return _background(request, "cluster")
+    must carry the `cluster` marker."""
+    return _background(request, "cluster").start()
 
 
 @pytest.fixture(scope="session")

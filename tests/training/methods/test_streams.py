@@ -1,20 +1,27 @@
 """Every continual method trains a 3-task stream from the CLI (`clipstream train`) through Ray Train +
 DeepSpeed on 2 workers, and its state, registered with each version, carries into the next task's job."""
 
+import itertools
+
 import pytest
 import torch
 from mlflow import MlflowClient
+from safetensors.torch import load_file
 
+from clipstream import models
+from clipstream.models import WEIGHTS_FILE
 from clipstream.registry import Registry
 from clipstream.training.data.task import Task
+from clipstream.training.methods import resolve
 
 # (preset, ZeRO stage): teacher and momentum copies must stay outside the partitioned optimizers of ZeRO 1
 # and 2 (ZeRO 0 partitions nothing; test_job trains with it). Each stream runs several methods together
 # (tests/streams.OWN_PRESETS, the second built on the shipped `ctp_er`): the checks of each method run on
-# its own part of the composed state and its own loss terms, as they would alone. Six methods in two
-# streams of three jobs each: a stream costs ~2.5 minutes on 2 cores, mostly Ray and torch start-up, so both
+# its own part of the composed state and its own loss terms, as they would alone. Seven methods in three
+# streams of three jobs each: a stream costs ~2.5 minutes on 2 cores, mostly Ray and torch start-up, so they
 # train in the background while the other tests run (tests/streams.py).
-STREAMS = [("mas_lwf", 1), ("ewc_modx_ctp_er", 2)]
+# C-CLIP, which changes which parameters train (adapters on frozen weights, merged at export), trains alone.
+STREAMS = [("mas_lwf", 1), ("ewc_modx_ctp_er", 2), ("cclip", 2)]
 
 
 @pytest.mark.slow
@@ -61,5 +68,17 @@ def test_a_three_task_stream_carries_the_method_state(trained_stream, method, st
             assert distill[0] is None and all(p is not None for p in distill[1:])  # from the second task on
             if component == "lwf":  # (Mod-X's may be 0: it keeps only rows an untrained teacher gets right)
                 assert all(p > 0 for p in distill[1:])
+        elif component == "cclip":
+            assert state == [{}] * 3  # adapters and projector live and die within a task
+            assert all(p > 0 for p in peak("loss/ckc"))
+            weights = [load_file(registry.resolve(v.version).folder / WEIGHTS_FILE) for v in versions]
+            preset = resolve("cclip")
+            stock = models.create(preset["model"]["arch"]).model.state_dict()
+            targets = tuple(preset["method"]["cclip"]["targets"])
+            for before, after in itertools.pairwise(weights):
+                # a plain open_clip model, and only the adapted weights moved (the rest was frozen under ZeRO 2)
+                assert {k: v.shape for k, v in after.items()} == {k: v.shape for k, v in stock.items()}
+                changed = {k for k in after if not torch.equal(after[k], before[k])}
+                assert changed and all(k.endswith(targets) for k in changed), sorted(changed)[:5]
         else:
             raise AssertionError(f"no checks for method {component!r}")
