@@ -1,6 +1,7 @@
 """`clipstream bench methods`: every continual-learning method trained on the same synthetic stream, one
-MLflow experiment (stream) each; AA, forgetting, BWT, task-unknown AA and the cost per step relative to
-finetune, as a table and a plot of AA after each task. Writes benchmarks/results/methods.md (+ .png).
+MLflow experiment (stream) each; AA, forgetting, BWT, task-unknown AA, zero-shot retrieval on a held-out
+task no method trains on (and its drop from version 1) and the cost per step relative to finetune, as a
+table and a plot of AA after each task. Writes benchmarks/results/methods.md (+ .png).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from matplotlib.figure import Figure
 from clipstream.benchmarks import report
 from clipstream.registry import Registry
 from clipstream.settings import Settings
-from clipstream.training.data.synth import synthesize
+from clipstream.training.data.synth import held_out_task, synthesize
 from clipstream.training.job import run_task
 from clipstream.training.methods.config import load_presets, method_presets, resolve
 
@@ -88,7 +89,9 @@ def methods(settings: Settings, tasks: int = 3, seed: int = 0, names: Sequence[s
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     stamp = time.strftime("%Y%m%d%H%M%S")
-    dirs = synthesize(settings.data_dir / f"bench-methods-s{seed}-{stamp}", tasks=tasks, seed=seed)
+    root = settings.data_dir / f"bench-methods-s{seed}-{stamp}"
+    dirs = synthesize(root, tasks=tasks, seed=seed)
+    zero_shot = [held_out_task(root)]
     results: dict[str, dict] = {}
     for m, method in enumerate(names, 1):
         run_settings = settings.model_copy(update={"stream": f"bench-methods-{method}-s{seed}-{stamp}"})
@@ -96,29 +99,34 @@ def methods(settings: Settings, tasks: int = 3, seed: int = 0, names: Sequence[s
         for t, folder in enumerate(dirs, 1):
             print(f"== method {m}/{len(names)} {method}: task {t}/{len(dirs)} {folder.name} "
                   f"(parent {parent or 'none'})", flush=True)
-            result = run_task(folder, method, parent, workers, train_sets, run_settings)
+            result = run_task(folder, method, parent, workers, train_sets, run_settings,
+                              zero_shot=zero_shot if t == 1 else ())  # the later versions inherit it
             parent, seconds = result.version, seconds + result.seconds
             metrics = registry.run_metrics(result.run_id)
             steps.append(metrics.get("train/step_ms", math.nan))
             if t > 1:
                 sd.append({k: metrics.get(k, math.nan) for k in SD_COLUMNS})
         results[method] = {"known": result.known, "unknown": result.unknown, "step_ms": float(np.mean(steps)),
+                           "zero_shot": result.zero_shot,
                            "seconds": seconds, "sd": {k: float(np.nanmean([d[k] for d in sd])) for k in SD_COLUMNS}
                            if sd else {}}
         print(f"== method {m}/{len(names)} {method}: AA {result.known.average_accuracy():.1f}, "
               f"forgetting {result.known.mean_forgetting():.1f}, BWT {result.known.bwt():.1f}, "
+              f"zero-shot {result.zero_shot[-1]:.1f} (drop {result.zero_shot[0] - result.zero_shot[-1]:.1f}), "
               f"{seconds / 60:.1f} min", flush=True)
     sets = "".join(f" --set {o}" for o in overrides)
     command = (f"clipstream bench methods --tasks {tasks} --seed {seed} --methods {','.join(names)} "
                f"--workers {workers}{sets} --out {out}")
     return methods_report(results, Path(out), command, report.device(f"{workers} Ray Train workers"),
-                          f"{tasks} synthetic domain tasks + the digits task (seed {seed})")
+                          f"{tasks} synthetic domain tasks + the digits task (seed {seed}); zero-shot: the held-out "
+                          f"domain task {zero_shot[0].name}")
 
 
 def methods_report(results: dict[str, dict], out: Path, command: str, device: str, stream: str = "") -> str:
     """Write the comparison table to `out` (markdown) and AA after each task to `out` with suffix .png;
     return the markdown. `results`: method -> {"known": ResultMatrix, "unknown": ResultMatrix,
-    "step_ms": mean time of a training step over its tasks, "seconds": wall time of all its tasks}."""
+    "step_ms": mean time of a training step over its tasks, "seconds": wall time of all its tasks, "zero_shot":
+    held-out Rm after each task (optional)}."""
     out = Path(out)
     png = plot_methods(results, out.with_suffix(".png"))
     base = results.get("finetune", {}).get("step_ms", math.nan)
@@ -133,17 +141,20 @@ def methods_report(results: dict[str, dict], out: Path, command: str, device: st
         "of R, forgetting = mean over earlier tasks of (best earlier R[l][j] − final R[T][j]), BWT = mean of "
         "R[T][j] − R[j][j]. Step time ×finetune = the method's mean training step (batch in hand to optimizer step "
         "and method hooks done, last epoch of each task, mean over tasks) ÷ finetune's, same micro batch; minutes = "
-        "wall time of all its task jobs.",
+        "wall time of all its task jobs. Zero-shot = Rm on a held-out task that no version trains on (its own "
+        "gallery) after the last task, and its drop from version 1 (positive = lost).",
         "",
     ]
     rows = []
     for method, r in results.items():
         known, unknown, step = r["known"], r["unknown"], r["step_ms"]
         ratio = step / base if math.isfinite(base) and math.isfinite(step) and base > 0 else math.nan
+        zs = r.get("zero_shot")
         rows.append([method, known.average_accuracy(), known.mean_forgetting(), known.bwt(), unknown.average_accuracy(),
-                     "-" if math.isnan(ratio) else f"{ratio:.2f}", r["seconds"] / 60])
-    lines += report.table(["method", "AA", "forgetting", "BWT", "final Rm (task-unknown AA)", "step time ×finetune",
-                           "minutes"], rows)
+                     zs[-1] if zs else "-", zs[0] - zs[-1] if zs else "-", "-" if math.isnan(ratio) else f"{ratio:.2f}",
+                     r["seconds"] / 60])
+    lines += report.table(["method", "AA", "forgetting", "BWT", "final Rm (task-unknown AA)", "zero-shot Rm",
+                           "zero-shot drop", "step time ×finetune", "minutes"], rows)
     if any(r.get("sd") for r in results.values()):
         lines += ["", "Mod-X's spatial disorder between consecutive versions on the old tasks' test pairs (mean over "
                   "tasks 2..T; degrees): how far each modality rotated, how differently the two rotated, and the "

@@ -11,12 +11,20 @@ from clipstream.settings import Settings
 
 
 def _synth(args) -> None:
-    from clipstream.training.data.synth import synthesize
+    from clipstream.training.data.synth import held_out_task, synthesize, synthesize_languages
 
-    dirs = synthesize(args.out, tasks=args.tasks, seed=args.seed, image_size=args.image_size,
-                      train_pairs=args.train_pairs, test_per_task=args.test_per_task, digits=not args.no_digits)
+    sizes = {k: v for k, v in {"train_pairs": args.train_pairs, "test_per_task": args.test_per_task}.items()
+             if v is not None}  # unset: the default of the kind of stream
+    if args.languages is not None:
+        dirs = synthesize_languages(args.out, args.languages, seed=args.seed, image_size=args.image_size, **sizes)
+    else:
+        dirs = synthesize(args.out, tasks=args.tasks, seed=args.seed, image_size=args.image_size,
+                          digits=not args.no_digits, held_out=not args.no_held_out, **sizes)
     for folder in dirs:
         print(folder)
+    zero_shot = held_out_task(args.out)
+    if zero_shot:  # not a stream task: on stderr, so stdout stays the list of tasks to train
+        print(f"held-out zero-shot task (no version trains on it): {zero_shot}", file=sys.stderr)
 
 
 def _check(args) -> None:
@@ -34,7 +42,8 @@ def _train(args) -> None:
     from clipstream.training.job import run_task
 
     result = run_task(args.task, args.method, args.parent, args.workers, args.set, Settings(),
-                      gpus_per_worker=args.gpus_per_worker, aliases=args.alias, wait_parent_s=args.wait_parent)
+                      gpus_per_worker=args.gpus_per_worker, aliases=args.alias, wait_parent_s=args.wait_parent,
+                      zero_shot=args.zero_shot)
     _print_result(result)
 
 
@@ -43,6 +52,9 @@ def _print_result(result) -> None:
           f"[{result.seconds:.0f} s, {result.skipped} rows skipped]")
     print("\ntask-known Rm, R[i][j] = after task i, on task j:\n" + result.known.format_table())
     print("\ntask-unknown Rm:\n" + result.unknown.format_table())
+    if result.zero_shot:
+        print(f"\nzero-shot (held-out tasks, never trained on) Rm: {result.zero_shot[-1]:.2f}, "
+              f"drop since the first version evaluated on them: {result.zero_shot[0] - result.zero_shot[-1]:+.2f}")
     print(f"\nheatmap: {result.heatmap}")
 
 
@@ -152,10 +164,11 @@ def _k8s(args) -> None:
     resources = k8s.Resources(args.workers, args.gpus_per_worker, args.worker_cpus, args.worker_memory)
     if args.k8s_command == "job":
         manifests = [k8s.job(args.task, args.method, release, resources, parent=args.parent, overrides=args.set,
-                             name=args.name)]
+                             name=args.name, zero_shot=args.zero_shot)]
     else:
         manifests = k8s.stream(args.tasks, args.method, release, resources, parent=args.parent, overrides=args.set,
-                               name=args.name or time.strftime("s%Y%m%d-%H%M%S"), wait_parent_s=args.wait_parent)
+                               name=args.name or time.strftime("s%Y%m%d-%H%M%S"), wait_parent_s=args.wait_parent,
+                               zero_shot=args.zero_shot)
     print(k8s.dump(manifests), end="")
 
 
@@ -200,13 +213,15 @@ def _runs(args) -> None:
     if not versions:
         print(f"no registered versions in stream {registry.name!r} yet (train one with `clipstream train`)")
         return
-    header = f"{'version':>7}  {'aliases':<20} {'task':<22} {'method':<10} {'parent':>6}  {'AA':>6} {'forget':>6} {'BWT':>6}"
+    header = (f"{'version':>7}  {'aliases':<20} {'task':<22} {'method':<10} {'parent':>6}  {'AA':>6} {'forget':>6} "
+              f"{'BWT':>6} {'ZS':>6} {'ZSdrop':>6}")
     print(header + "\n" + "-" * len(header))
     for v in versions:
         m = registry.run_metrics(v.run_id)
         print(f"{v.version:>7}  {','.join(v.aliases):<20} {v.tags.get('task', ''):<22} {v.tags.get('method', ''):<10} "
               f"{v.tags.get('parent_version') or '-':>6}  {m.get('known/AA', float('nan')):6.1f} "
-              f"{m.get('known/forgetting', float('nan')):6.1f} {m.get('known/BWT', float('nan')):6.1f}")
+              f"{m.get('known/forgetting', float('nan')):6.1f} {m.get('known/BWT', float('nan')):6.1f} "
+              f"{m.get('zero_shot/Rm', float('nan')):6.1f} {m.get('zero_shot/drop', float('nan')):6.1f}")
 
 
 def _promote(args) -> None:
@@ -257,7 +272,7 @@ def _demo(args) -> None:
 
         out = Path(args.out or settings.data_dir / f"cluster-demo-{time.strftime('%Y%m%d-%H%M%S')}")
         return local_cluster.demo(out, args.method, args.tasks, args.seed, args.set)
-    from clipstream.training.data.synth import synthesize
+    from clipstream.training.data.synth import held_out_task, synthesize
     from clipstream.training.job import run_task
 
     if not args.no_serve:
@@ -270,7 +285,8 @@ def _demo(args) -> None:
     parent, result = None, None
     for i, folder in enumerate(dirs):
         print(f"\n== task {i + 1}/{len(dirs)}: {folder.name} ({args.method}, {args.workers} Ray workers, parent {parent or 'none'})")
-        result = run_task(folder, args.method, parent, args.workers, args.set, settings)
+        result = run_task(folder, args.method, parent, args.workers, args.set, settings,  # (later tasks inherit it)
+                          zero_shot=[*args.zero_shot, held_out_task(out)] if i == 0 else ())
         parent = result.version
     _print_result(result)
     if not args.no_serve:
@@ -317,12 +333,18 @@ def parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="task data").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="write the synthetic benchmark")
     synth.add_argument("--out", required=True)
-    synth.add_argument("--tasks", type=int, default=4)
+    stream = synth.add_mutually_exclusive_group()
+    stream.add_argument("--tasks", type=int, default=4, help="domain tasks (default 4)")
+    stream.add_argument("--languages", type=int, metavar="K",
+                        help="instead of domain tasks, K language tasks: the same images captioned in English and "
+                             "K-1 synthetic languages")
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--image-size", type=int, default=32)
-    synth.add_argument("--train-pairs", type=int, default=2000)
-    synth.add_argument("--test-per-task", type=int, default=64)
+    synth.add_argument("--train-pairs", type=int, help="domain tasks: in all (default 2000); languages: per language "
+                                                       "(default 600)")
+    synth.add_argument("--test-per-task", type=int, help="default 64 per domain task, 48 per language")
     synth.add_argument("--no-digits", action="store_true", help="leave out the handwritten-digits task")
+    synth.add_argument("--no-held-out", action="store_true", help="leave out the held-out zero-shot task")
     synth.set_defaults(func=_synth)
     check = data.add_parser("check", help="validate a task directory")
     check.add_argument("--task", required=True)
@@ -335,6 +357,9 @@ def parser() -> argparse.ArgumentParser:
                            "(or one of CLIPSTREAM_PRESETS)")
         q.add_argument("--workers", type=int, default=2, help="Ray Train workers")
         q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a preset value, e.g. train.epochs=2")
+        q.add_argument("--zero-shot", action="append", default=[], metavar="TASK",
+                       help="a held-out task no version trains on, evaluated with every version of the stream for "
+                            "zero-shot retention (repeatable; default: the parent's)")
 
     train = sub.add_parser("train", help="train one task as a Ray Train job and register a version")
     train.add_argument("--task", required=True)

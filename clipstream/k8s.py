@@ -112,7 +112,8 @@ def _pod(release: Release, name: str, cpus, memory: str, gpus: float = 0, volume
 
 
 def train_command(task: str, method: str, resources: Resources, parent: Optional[str] = None,
-                  wait_parent_s: float = 0, aliases: Sequence[str] = (), overrides: Sequence[str] = ()) -> list[str]:
+                  wait_parent_s: float = 0, aliases: Sequence[str] = (), overrides: Sequence[str] = (),
+                  zero_shot: Sequence[str] = ()) -> list[str]:
     command = ["clipstream", "train", "--task", task, "--method", method, "--workers", str(resources.workers),
                "--gpus-per-worker", f"{resources.gpus_per_worker:g}"]
     if parent:
@@ -121,6 +122,8 @@ def train_command(task: str, method: str, resources: Resources, parent: Optional
         command += ["--alias", alias]
     for override in overrides:
         command += ["--set", override]
+    for held_out in zero_shot:
+        command += ["--zero-shot", held_out]
     return command
 
 
@@ -162,21 +165,23 @@ def rayjob(name: str, command: list[str], release: Release, resources: Resources
 
 
 def job(task: str, method: str, release: Release, resources: Resources, *, parent: Optional[str] = None,
-        overrides: Sequence[str] = (), name: Optional[str] = None) -> dict:
-    command = train_command(task, method, resources, parent, overrides=overrides)
+        overrides: Sequence[str] = (), name: Optional[str] = None, zero_shot: Sequence[str] = ()) -> dict:
+    command = train_command(task, method, resources, parent, overrides=overrides, zero_shot=zero_shot)
     return rayjob(f"{release.name}-train-{name or dns_name(task)}", command, release, resources)
 
 
 def stream(tasks: Sequence[str], method: str, release: Release, resources: Resources, *, name: str,
-           parent: Optional[str] = None, overrides: Sequence[str] = (), wait_parent_s: float = 24 * 3600) -> list[dict]:
+           parent: Optional[str] = None, overrides: Sequence[str] = (), wait_parent_s: float = 24 * 3600,
+           zero_shot: Sequence[str] = ()) -> list[dict]:
     """One RayJob per task; job k sets alias NAME-k on its version, job k+1 waits for it as its parent
-    (`@NAME-k`: an alias of the stream the pods' Settings name)."""
+    (`@NAME-k`: an alias of the stream the pods' Settings name). The held-out `zero_shot` tasks are given to
+    the first job; the later versions inherit them from their parent."""
     name = dns_name(name, limit=30)
     jobs = []
     for k, task in enumerate(tasks, start=1):
         previous = f"@{name}-{k - 1}" if k > 1 else parent
         command = train_command(task, method, resources, previous, wait_parent_s if k > 1 else 0,
-                                aliases=[f"{name}-{k}"], overrides=overrides)
+                                aliases=[f"{name}-{k}"], overrides=overrides, zero_shot=zero_shot if k == 1 else ())
         manifest = rayjob(f"{release.name}-train-{name}-{k}", command, release, resources,
                           deadline_s=int(wait_parent_s) * (k > 1) + 24 * 3600)
         manifest["metadata"]["labels"].update({"clipstream.io/stream": name, "clipstream.io/step": str(k)})

@@ -29,7 +29,7 @@ open_clip.add_model_config(CONFIG_DIR)
 
 CONFIG_FILE = "open_clip_config.json"
 WEIGHTS_FILE = "open_clip_model.safetensors"
-TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILE = "clipstream_tokenizer.json"  # not tokenizer.json: a Hugging Face tokenizer saves its own under that name
 
 
 @dataclass

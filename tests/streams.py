@@ -42,7 +42,8 @@ def tasks(root: Path) -> list[Path]:
 
     data = root / "data"
     if not (data / ".done").exists():
-        synthesize(data, tasks=3, seed=5, train_pairs=800, test_per_task=12, digits=False, progress=False)
+        synthesize(data, tasks=3, seed=5, train_pairs=800, test_per_task=12, digits=False, held_out=False,
+                   progress=False)
         (data / ".done").touch()
     return sorted(p for p in data.iterdir() if p.is_dir())
 

@@ -2,7 +2,9 @@
 
     prepare  → the config, the method, the parent version and checked data; nothing runs yet
     fit      → a Ray Train `TorchTrainer` of DeepSpeed workers (`engine.train_loop`); the trained export
-    evaluate → the new version on every task seen so far: one more row of R[i][j], plots, diagnostics
+    evaluate → the new version on every task seen so far: one more row of R[i][j], plots, diagnostics; and on
+               the stream's held-out zero-shot tasks, which no version trains on (retention: the drop from the
+               first version evaluated on them)
     register → the export + what the next task needs, as a new MLflow model version (alias `candidate`)
 
 `run_task` runs them inside the task's MLflow run; each step can also be called (and tested) alone.
@@ -66,6 +68,7 @@ class Plan:
     tags: dict = field(default_factory=dict)
     gpus_per_worker: Optional[float] = None  # None: one GPU per worker when the driver sees CUDA, else CPU only
     aliases: tuple[str, ...] = ()  # set on the new version besides `candidate` (a stream's jobs chain by them)
+    zero_shot: list[dict] = field(default_factory=list)  # held-out tasks (lineage-style entries), never trained on
 
     @property
     def history(self) -> list[dict]:
@@ -94,6 +97,12 @@ class Evaluation:
     known: evaluate.ResultMatrix
     unknown: evaluate.ResultMatrix
     heatmap: Path
+    zero_shot: list[float] = field(default_factory=list)  # mean held-out Rm of each version since the set began
+
+    @property
+    def zero_shot_drop(self) -> Optional[float]:
+        """How much held-out Rm this version lost against the first version evaluated on the set."""
+        return self.zero_shot[0] - self.zero_shot[-1] if self.zero_shot else None
 
 
 @dataclass
@@ -107,15 +116,17 @@ class TaskResult:
     heatmap: Path
     skipped: int
     seconds: float
+    zero_shot: list[float] = field(default_factory=list)
 
 
 def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[str] = None, workers: int = 2,
              overrides: Iterable[str] = (), settings: Optional[Settings] = None, *,
              gpus_per_worker: Optional[float] = None, aliases: Iterable[str] = (),
-             wait_parent_s: float = 0.0) -> TaskResult:
+             wait_parent_s: float = 0.0, zero_shot: Iterable[str | Path] = ()) -> TaskResult:
     """Train `method` on one task starting from `parent` (a registry reference; None = the preset's
     model; waited for up to `wait_parent_s`), evaluate, and register the new version with alias
-    `candidate` and `aliases`."""
+    `candidate` and `aliases`. `zero_shot`: held-out task directories evaluated with every version of the
+    stream (none given: the parent's)."""
     tic = time.perf_counter()
     for alias in aliases:  # MLflow's alias rules, checked before anything runs; production moves only by promotion
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,255}", alias) or re.fullmatch(r"v\d+|latest", alias, re.I) \
@@ -124,7 +135,7 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
                              f"{PRODUCTION!r} or {CANDIDATE!r})")
     settings = (settings or Settings()).ensure_dirs()
     registry = Registry(settings)
-    plan = prepare(registry, task_dir, method, parent, workers, overrides, wait_parent_s)
+    plan = prepare(registry, task_dir, method, parent, workers, overrides, wait_parent_s, zero_shot)
     plan.gpus_per_worker, plan.aliases = gpus_per_worker, tuple(aliases)
     try:
         with registry.run(plan.run_name, plan.tags) as run_id:
@@ -134,11 +145,11 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
     finally:
         shutil.rmtree(plan.workdir, ignore_errors=True)
     return TaskResult(version, run_id, plan.task.name, plan.task_index, result.known, result.unknown, result.heatmap,
-                      len(plan.skipped), time.perf_counter() - tic)
+                      len(plan.skipped), time.perf_counter() - tic, result.zero_shot)
 
 
 def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optional[str], workers: int,
-            overrides: Iterable[str] = (), wait_parent_s: float = 0.0) -> Plan:
+            overrides: Iterable[str] = (), wait_parent_s: float = 0.0, zero_shot: Iterable[str | Path] = ()) -> Plan:
     """Resolve the preset and the parent, and check all training data; a bad input fails here, before
     Ray starts or a run is opened."""
     config = methods.resolve(method, overrides)
@@ -152,8 +163,9 @@ def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optio
     if parent_v:  # e.g. ER's buffer: the driver reads it to build the training data
         stack.load_state_dict(torch.load(parent_v.folder / METHOD_STATE_FILE, weights_only=False))
     current = {"task": task.name, "path": str(task.root), "data_sha": task.data_sha()}
+    held_out = _zero_shot_entries(zero_shot, parent_v, [*(parent_v.lineage if parent_v else []), current])
     plan = Plan(config, stack, task, parent_v, current, [], 0, [], workers,
-                Path(tempfile.mkdtemp(prefix="clipstream-job-")))
+                Path(tempfile.mkdtemp(prefix="clipstream-job-")), zero_shot=held_out)
     try:
         _check_data(plan)
     except BaseException:
@@ -162,6 +174,22 @@ def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optio
     plan.tags = {"task": task.name, "task_index": str(plan.task_index), "method": stack.name,
                  "parent_version": parent_v.version if parent_v else "", "data_sha": current["data_sha"]}
     return plan
+
+
+def _zero_shot_entries(dirs: Iterable[str | Path], parent: Optional[Version], trained: list[dict]) -> list[dict]:
+    """The held-out tasks of this version: the given directories (test split checked now), else the parent's.
+    A task the stream trains on is not zero-shot, and is refused."""
+    dirs = list(dirs)
+    if not dirs:
+        return (parent.manifest.get("zero_shot") or {}).get("tasks", []) if parent else []
+    entries = []
+    for folder in dirs:
+        task = Task.load(folder)
+        task.check("test")
+        if task.name in [e["task"] for e in trained]:
+            raise ValueError(f"zero-shot task {task.name!r} is trained on by this stream: a held-out task must not be")
+        entries.append({"task": task.name, "path": str(task.root), "data_sha": task.data_sha()})
+    return entries
 
 
 def _check_data(plan: Plan) -> None:
@@ -247,6 +275,7 @@ def evaluate_version(plan: Plan, trained: Path, plots: Path) -> Evaluation:
         mlflow.log_dict(matrix.to_dict(), f"matrix_{mode}.json")
         matrix.heatmap(plots / f"{plan.run_name}-{mode}.png", title=f"R[i][j] (Rm, task-{mode}) after {plan.task.name}")
         matrices[mode] = matrix
+    zero_shot = _zero_shot(plan, bundle)
     if plan.parent:  # how the old tasks' test pairs moved from the parent to this version
         parent = models.load_exported(plan.parent.folder)
         before = [evaluate.embed_task(parent, _task_of(e)) for e in plan.history]
@@ -255,7 +284,22 @@ def evaluate_version(plan: Plan, trained: Path, plots: Path) -> Evaluation:
         diagnostics.plot_spatial_disorder(*probe, plots / f"{plan.run_name}-spatial-disorder.png",
                                           title=f"v{plan.parent.version} -> {plan.task.name}: old tasks' test pairs")
     mlflow.log_artifacts(str(plots), "plots")
-    return Evaluation(matrices["known"], matrices["unknown"], plots / f"{plan.run_name}-known.png")
+    return Evaluation(matrices["known"], matrices["unknown"], plots / f"{plan.run_name}-known.png", zero_shot)
+
+
+def _zero_shot(plan: Plan, bundle: models.ClipBundle) -> list[float]:
+    """Retrieval on the held-out tasks (each in its own gallery), logged per task and as the mean Rm with its
+    drop from the first version evaluated on the same set; returns that mean for every such version so far."""
+    if not plan.zero_shot:
+        return []
+    scores = evaluate.evaluate_seen([evaluate.embed_task(bundle, _task_of(e)) for e in plan.zero_shot])["known"]
+    for name, metrics in scores.items():
+        mlflow.log_metrics({f"eval/zero_shot/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
+    before = (plan.parent.manifest.get("zero_shot") or {}) if plan.parent else {}
+    same_set = before.get("tasks") == plan.zero_shot  # (same names, paths and data) else the history restarts
+    history = [*(before.get("Rm", []) if same_set else []), float(np.mean([m["Rm"] for m in scores.values()]))]
+    mlflow.log_metrics({"zero_shot/Rm": history[-1], "zero_shot/drop": history[0] - history[-1]})
+    return history
 
 
 def register(registry: Registry, plan: Plan, trained: Path, result: Evaluation) -> str:
@@ -265,6 +309,7 @@ def register(registry: Registry, plan: Plan, trained: Path, result: Evaluation) 
         "lineage": [*plan.history, plan.current],
         "matrix": {"known": result.known.to_dict(), "unknown": result.unknown.to_dict()},
         "config": plan.config, "parent_version": plan.tags["parent_version"],
+        "zero_shot": {"tasks": plan.zero_shot, "Rm": result.zero_shot} if plan.zero_shot else None,
         "unchanged_towers": [t for t in ("image", "text") if plan.parent and t not in plan.method.trains_towers]},
         indent=2))
     version = registry.register(trained, plan.tags)

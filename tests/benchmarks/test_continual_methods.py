@@ -16,7 +16,7 @@ def _results():
     return {
         "finetune": {"known": ResultMatrix(TASKS, [[50], [30, 70], [10, 20, 60]]),
                      "unknown": ResultMatrix(TASKS, [[40], [20, 50], [5, 10, 45]]),  # AA 20.0
-                     "step_ms": 200.0, "seconds": 120.0},
+                     "step_ms": 200.0, "seconds": 120.0, "zero_shot": [40.0, 30.0, 25.5]},  # drop 14.5
         "ewc": {"known": ResultMatrix(TASKS, [[50], [45, 60], [40, 50, 60]]),
                 "unknown": ResultMatrix(TASKS, [[40], [35, 45], [30, 33, 36]]),  # AA 33.0
                 "step_ms": 300.0, "seconds": 150.0,
@@ -30,9 +30,10 @@ def test_report_has_the_numbers_the_ratio_and_the_plot(tmp_path):
     text = bench.methods_report(_results(), out, "clipstream bench methods --tasks 2 --seed 0", "CPU (test)", "s")
     assert out.read_text() == text
     assert "Reproduce: `clipstream bench methods --tasks 2 --seed 0`" in text and "Device: CPU (test)" in text
-    assert "| method | AA | forgetting | BWT | final Rm (task-unknown AA) | step time ×finetune | minutes |" in text
-    assert "| finetune | 30.0 | 45.0 | -45.0 | 20.0 | 1.00 | 2.0 |" in text
-    assert "| ewc | 50.0 | 10.0 | -10.0 | 33.0 | 1.50 | 2.5 |" in text
+    assert ("| method | AA | forgetting | BWT | final Rm (task-unknown AA) | zero-shot Rm | zero-shot drop "
+            "| step time ×finetune | minutes |") in text
+    assert "| finetune | 30.0 | 45.0 | -45.0 | 20.0 | 25.5 | 14.5 | 1.00 | 2.0 |" in text
+    assert "| ewc | 50.0 | 10.0 | -10.0 | 33.0 | - | - | 1.50 | 2.5 |" in text  # (evaluated on no held-out task)
     assert "| ewc | 31.0 | 22.5 | 9.2 | 80.0 |" in text and text.count("| finetune |") == 1  # no SD for finetune
     png = out.with_suffix(".png")
     assert "](methods.png)" in text
@@ -43,7 +44,7 @@ def test_report_without_finetune_has_no_ratio(tmp_path):
     results = _results()
     del results["finetune"]
     text = bench.methods_report(results, tmp_path / "m.md", "cmd", "CPU")
-    assert "| ewc | 50.0 | 10.0 | -10.0 | 33.0 | - | 2.5 |" in text
+    assert "| ewc | 50.0 | 10.0 | -10.0 | 33.0 | - | - | - | 2.5 |" in text
     assert (tmp_path / "m.png").exists()
 
 

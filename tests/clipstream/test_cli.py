@@ -11,12 +11,45 @@ from clipstream.cli import main
 def test_console_script_synthesises_and_checks_a_task(tmp_path):
     out = tmp_path / "bench"
     done = subprocess.run([sys.executable, "-m", "clipstream.cli", "data", "synth", "--out", str(out), "--tasks", "1",
-                           "--train-pairs", "60", "--test-per-task", "8", "--no-digits"], capture_output=True, text=True)
+                           "--train-pairs", "60", "--test-per-task", "8", "--no-digits"], check=False, capture_output=True,
+                          text=True)
     assert done.returncode == 0, done.stderr
     task = done.stdout.split()[0]
     assert task.endswith("task-00-household")
-    check = subprocess.run([sys.executable, "-m", "clipstream.cli", "data", "check", "--task", task], capture_output=True, text=True)
+    check = subprocess.run([sys.executable, "-m", "clipstream.cli", "data", "check", "--task", task], check=False,
+                           capture_output=True, text=True)
     assert check.returncode == 0 and "train: 60 rows ok, 0 skipped" in check.stdout
+
+
+def test_data_synth_languages_writes_the_language_stream(tmp_path, capsys):
+    out = tmp_path / "langs"
+    assert main(["data", "synth", "--out", str(out), "--languages", "3", "--train-pairs", "60", "--test-per-task", "8",
+                 "--image-size", "16"]) == 0
+    names = ["task-00-lang-en", "task-01-lang-xa", "task-02-lang-xb"]
+    assert capsys.readouterr().out.split() == [str(out / n) for n in names]
+    assert sorted(p.name for p in out.iterdir()) == names
+    assert main(["data", "check", "--task", str(out / names[1])]) == 0
+    assert "train: 60 rows ok, 0 skipped" in capsys.readouterr().out
+
+
+def test_data_synth_names_the_held_out_task_on_stderr(tmp_path, capsys):
+    small = ["--tasks", "1", "--train-pairs", "60", "--test-per-task", "8", "--image-size", "16", "--no-digits"]
+    assert main(["data", "synth", "--out", str(tmp_path / "a"), *small]) == 0
+    done = capsys.readouterr()
+    assert done.out.split() == [str(tmp_path / "a" / "task-00-household")]
+    assert f"held-out zero-shot task (no version trains on it): {tmp_path / 'a' / 'zero-shot-toys'}" in done.err
+    assert main(["data", "synth", "--out", str(tmp_path / "b"), *small, "--no-held-out"]) == 0
+    assert "zero-shot" not in capsys.readouterr().err and not (tmp_path / "b" / "zero-shot-toys").exists()
+
+
+def test_data_synth_bad_language_count_exits_2_with_one_line(tmp_path, capsys):
+    assert main(["data", "synth", "--out", str(tmp_path / "langs"), "--languages", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["clipstream: error: languages must be between 1 and 27 (codes en, xa..xz), got 0"]
+    assert not (tmp_path / "langs").exists()
+    with pytest.raises(SystemExit) as exit:  # one stream or the other
+        main(["data", "synth", "--out", str(tmp_path / "langs"), "--tasks", "2", "--languages", "2"])
+    assert exit.value.code == 2 and "not allowed with argument --tasks" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

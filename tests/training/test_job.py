@@ -10,6 +10,7 @@ from clipstream.cli import main
 from clipstream.registry import Registry, RegistryError
 from clipstream.settings import Settings
 from clipstream.training import evaluate
+from clipstream.training.data.synth import held_out_task
 from clipstream.training.data.task import DataError, Task
 from clipstream.training.job import run_task
 
@@ -24,7 +25,8 @@ def two_versions(ray_cluster, stream, tmp_path_factory):
     """Version 1 (finetune, deterministic) and version 2 (joint, its child), trained once for this module."""
     settings = Settings(home=tmp_path_factory.mktemp("job") / "home").ensure_dirs()
     first = run_task(stream[0], "finetune", None, workers=2, overrides=DETERMINISTIC, settings=settings,
-                     aliases=["s1-1"])  # how `clipstream k8s stream` chains its jobs
+                     aliases=["s1-1"],  # how `clipstream k8s stream` chains its jobs
+                     zero_shot=[held_out_task(stream[0].parent)])  # the second version inherits it
     second = run_task(stream[1], "joint", "models:/clipstream@s1-1", workers=2, overrides=FAST, settings=settings, wait_parent_s=60)
     return settings, first, second
 
@@ -74,6 +76,17 @@ def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(two_version
     assert again["known"]["task-01-furnishing"]["Rm"] == pytest.approx(matrix.values[1, 1], abs=1e-6)
     assert run.data.metrics["known/AA"] == pytest.approx(matrix.average_accuracy())
 
+    # zero-shot retention: the held-out task given to the first job is evaluated with both versions
+    held_out = Task.load(held_out_task(stream[0].parent))
+    zs1, zs2 = registry.resolve("1").manifest["zero_shot"], resolved.manifest["zero_shot"]
+    assert zs1["tasks"] == zs2["tasks"] and [e["task"] for e in zs2["tasks"]] == [held_out.name]
+    assert zs1["Rm"] == first.zero_shot == zs2["Rm"][:1] and second.zero_shot == zs2["Rm"] and len(zs2["Rm"]) == 2
+    zero_shot = evaluate.evaluate_seen([evaluate.embed_task(bundle, held_out)])["known"][held_out.name]
+    assert zs2["Rm"][1] == pytest.approx(zero_shot["Rm"], abs=1e-6)
+    assert run.data.metrics["zero_shot/Rm"] == pytest.approx(zero_shot["Rm"])
+    assert run.data.metrics["zero_shot/drop"] == pytest.approx(zs2["Rm"][0] - zs2["Rm"][1])
+    assert run.data.metrics[f"eval/zero_shot/{held_out.name}/i2t_R1"] == pytest.approx(zero_shot["i2t_R@1"])
+
     # the model learned something on its own task: far above chance (R@1 chance ~ 1/24)
     assert second.known.values[1, 1] > 25
 
@@ -86,6 +99,8 @@ def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(two_version
     listing = capsys.readouterr().out.splitlines()
     assert listing[2].split()[:5] == ["1", "s1-1", "task-00-household", "finetune", "-"]
     assert listing[3].split()[:5] == ["2", "candidate", "task-01-furnishing", "joint", "1"]
+    assert listing[0].split()[-2:] == ["ZS", "ZSdrop"]
+    assert listing[3].split()[-2:] == [f"{zs2['Rm'][1]:.1f}", f"{zs2['Rm'][0] - zs2['Rm'][1]:.1f}"]
 
     # a task already in the lineage is refused; unknown references are clear errors
     with pytest.raises(ValueError, match="already been trained on task 'task-01-furnishing'"):
@@ -94,6 +109,12 @@ def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(two_version
         registry.resolve("models:/clipstream@production")
     with pytest.raises(RegistryError, match="not 'other'"):
         registry.resolve("models:/other/1")
+
+
+def test_a_zero_shot_task_the_stream_trains_on_is_refused_before_training(settings, stream):
+    with pytest.raises(ValueError, match="zero-shot task 'task-00-household' is trained on by this stream"):
+        run_task(stream[0], "finetune", None, workers=2, overrides=FAST, settings=settings, zero_shot=[stream[0]])
+    assert Registry(settings).versions() == []
 
 
 @pytest.mark.slow

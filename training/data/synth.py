@@ -8,12 +8,19 @@ draws its own figure classes in its own visual style, while colour, size, positi
 words are the same in all tasks. Task sizes follow the P9D shares, and class counts are long-tailed
 (a plateau, then a decay to about 1/10). A last task of real handwritten digits (scikit-learn's
 bundled `load_digits`) adds a shift of image distribution that keeps the colour and background
-words.
+words. Beside the stream, a held-out domain with its own style and classes (only a test split) measures
+zero-shot transfer: no version trains on it, yet its attribute words are the ones the stream teaches.
+
+`synthesize_languages` writes the other kind of stream: the same images captioned in K synthetic
+languages, each a word-for-word remapping of the English caption grammar, so what changes from task to
+task is the text side only.
 """
 from __future__ import annotations
 
 import json
+import re
 import zlib
+from dataclasses import dataclass
 from functools import cache
 from itertools import product
 from pathlib import Path
@@ -36,6 +43,9 @@ DOMAINS = {
     "outdoor": ("tent", "kayak", "compass", "lantern", "backpack", "axe", "rope", "canteen", "hammock"),
     "electronics": ("phone", "laptop", "camera", "speaker", "headphones", "keyboard", "mouse", "router"),
 }
+# The zero-shot domain: a style and classes that are in no stream (not in DOMAINS, no suffixed copy either).
+HELD_OUT = ("toys", ("kite", "yoyo", "drum", "puzzle", "robot", "doll", "ball", "whistle"))
+_HELD_OUT_INDEX = 2**16  # its silhouettes' offset and random stream: past any stream, so `tasks` does not change it
 # Shared attributes: the same words (and the same drawing) in every task.
 COLOURS = {
     "red": (220, 40, 40), "orange": (240, 140, 20), "yellow": (235, 210, 30), "green": (40, 160, 60),
@@ -57,6 +67,17 @@ DIGIT_TEMPLATES = (
 )
 DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 MIN_TASK_PAIRS = 40
+# The scripts of the synthetic languages: (consonants, vowels, syllables per word at most). They share no
+# character, so two languages share subword pieces if they have one script, and across scripts only their
+# loanwords. Letters are chosen for CLIP's BPE, which the models use with a 32-token context: an accented
+# vowel here is one token (most non-ASCII letters, Cyrillic and Greek included, are two: captions of 80-100
+# tokens), and a "diacritic" syllable is still two, hence its monosyllables: every caption fits.
+SCRIPTS = {
+    "latin": ("bdfgklmnprstvz", "aeiou", 2),
+    "diacritic": ("chjqwxy", "áäéëíóöøúüàè", 1),
+}
+LANG_CODES = ("en", *(f"x{c}" for c in "abcdefghijklmnopqrstuvwxyz"))  # English, then private-use-like codes
+LOANWORD_SHARE = 0.15  # of the content words (slot fillers), spelled as in English in every language
 _DIGITS_TOTAL, _DIGITS_MAX_TEST = 1797, 1500  # load_digits size; every digit has >= 174 images
 _SS = 2  # figures are drawn at _SS x the image size, then box-downsampled (anti-aliasing)
 
@@ -195,7 +216,8 @@ def _domain_task(name: str, classes: tuple, index: int, n_train: int, n_test: in
     bases = {c: (j + 3 * index) % len(_BASES) for j, c in enumerate(classes)}
     rng = np.random.default_rng([seed, index])
     order = [classes[j] for j in rng.permutation(len(classes))]  # which classes are head vs tail
-    train = [c for c, n in zip(order, _long_tail(len(classes), n_train)) for _ in range(n)]
+    counts = _long_tail(len(classes), n_train) if n_train else ()  # n_train=0: a test-only task (the held-out one)
+    train = [c for c, n in zip(order, counts) for _ in range(n)]
     train = [train[j] for j in rng.permutation(len(train))]
     test = [order[j % len(order)] for j in range(n_test)]
     combos = list(product(COLOURS, SIZES, POSITIONS, BACKGROUNDS))
@@ -236,7 +258,47 @@ def _digits_task(index: int, n_train: int, n_test: int, seed: int, size: int):
             "test": pairs(test, _distinct(rng, combos, [int(y[i]) for i in test]))}
 
 
-def _write_task(tdir: Path, meta: dict, splits: dict, bar: tqdm) -> None:
+@dataclass(frozen=True)
+class _Language:
+    code: str
+    script: str
+    reversed: bool  # word order
+    words: dict[str, str]  # English word -> this language's word (a bijection)
+
+    def say(self, caption_en: str) -> str:
+        tokens = ["," if t == "," else self.words[t] for t in re.findall(r"\w+|,", caption_en)]
+        return " ".join(tokens[::-1] if self.reversed else tokens).replace(" ,", ",")
+
+
+def _languages(n: int, classes: tuple, seed: int) -> list[_Language]:
+    """English and n - 1 remappings of its caption words: language i takes script i - 1 (cycling), languages
+    2-3, 6-7, ... reverse the word order; pseudo-words are syllables from the language's own two thirds of its
+    script's syllables, drawn with (seed, code), so two languages of one script share some but not all."""
+    grammar = {w for t in TEMPLATES for w in re.findall(r"\w+", re.sub(r"\{\w+\}", "", t))}  # function words too
+    content = sorted({*COLOURS, *SIZES, *(w for p in POSITIONS for w in p.split()), *BACKGROUNDS, *classes})
+    vocab = sorted(grammar | set(content))
+    rng = np.random.default_rng([seed, zlib.crc32(b"loanwords")])
+    loans = {content[j] for j in rng.choice(len(content), round(LOANWORD_SHARE * len(content)), replace=False)}
+    langs = [_Language("en", "latin", False, {w: w for w in vocab})]
+    for i in range(1, n):
+        code, script = LANG_CODES[i], list(SCRIPTS)[(i - 1) % len(SCRIPTS)]
+        rng = np.random.default_rng([seed, zlib.crc32(code.encode())])
+        consonants, vowels, longest = SCRIPTS[script]
+        syllables = ["".join(cv) for cv in product(consonants, vowels)]
+        own = [syllables[j] for j in rng.choice(len(syllables), 2 * len(syllables) // 3, replace=False)]
+        words, taken = {}, set(vocab)  # no pseudo-word spells an English word (no false friends)
+        for w in vocab:
+            word = w
+            while word in taken and w not in loans:
+                word = "".join(own[j] for j in rng.integers(len(own), size=rng.integers(1, longest + 1)))
+            words[w] = word
+            taken.add(word)
+        langs.append(_Language(code, script, i // 2 % 2 == 1, words))
+    return langs
+
+
+def _write_task(tdir: Path, meta: dict, splits: dict, bar: tqdm, lang: _Language | None = None) -> None:
+    """Write a task's manifest, images and rows; with `lang`, the pairs' English captions are said in it."""
     tdir.mkdir(parents=True)
     (tdir / "task.yaml").write_text(yaml.safe_dump(meta, sort_keys=False), encoding="utf-8")
     for split, pairs in splits.items():
@@ -245,18 +307,27 @@ def _write_task(tdir: Path, meta: dict, splits: dict, bar: tqdm) -> None:
             for k, (img, caption, label) in enumerate(pairs):
                 rel = f"images/{split}/{k:06d}.png"
                 img.save(tdir / rel, format="PNG")
-                row = {"id": f"{tdir.name}-{split}-{k:06d}", "image": rel, "caption": caption, "label": label}
-                f.write(json.dumps(row) + "\n")
+                row = {"id": f"{tdir.name}-{split}-{k:06d}", "image": rel, "caption": caption}
+                if lang is not None:
+                    row |= {"caption": lang.say(caption), "caption_en": caption, "lang": lang.code}
+                f.write(json.dumps({**row, "label": label}, ensure_ascii=False) + "\n")
                 bar.update()
 
 
+def _check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"refusing to write into non-empty {out}")
+
+
 def synthesize(out: str | Path, tasks: int = 4, seed: int = 0, *, image_size: int = 32,
-               train_pairs: int = 2000, test_per_task: int = 64, digits: bool = True,
+               train_pairs: int = 2000, test_per_task: int = 64, digits: bool = True, held_out: bool = True,
                progress: bool = True) -> list[Path]:
     """Write `tasks` domain tasks (+ the digits task if digits=True, as the LAST task) under `out`; return the task dirs in stream order.
 
     The domain tasks share `train_pairs` in the P9D shares; the digits task gets the next share at
-    the same scale (capped by the images left after its test split).
+    the same scale (capped by the images left after its test split). With held_out=True, the zero-shot
+    task (`test_per_task` test pairs of the HELD_OUT domain) is written too, outside the stream: it is
+    not returned; `held_out_task(out)` finds it.
     """
     out = Path(out)
     if tasks < 1:
@@ -272,11 +343,10 @@ def synthesize(out: str | Path, tasks: int = 4, seed: int = 0, *, image_size: in
     if sizes.min() < MIN_TASK_PAIRS:
         raise ValueError(f"train_pairs={train_pairs} is too small for {tasks} tasks: the P9D shares give "
                          f"task sizes {sizes.tolist()}, need >= {MIN_TASK_PAIRS} pairs per task")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"refusing to write into non-empty {out}")
+    _check_out(out)
     share = P9D_SHARES[tasks % len(P9D_SHARES)] * train_pairs / sum(shares)
     n_digits = min(max(MIN_TASK_PAIRS, round(share)), _DIGITS_TOTAL - test_per_task) if digits else 0
-    total = int(sizes.sum()) + n_digits + (tasks + digits) * test_per_task
+    total = int(sizes.sum()) + n_digits + (tasks + digits + held_out) * test_per_task
 
     dirs = []
     with tqdm(total=total, desc="synth", unit="pair", disable=not progress) as bar:
@@ -298,5 +368,62 @@ def synthesize(out: str | Path, tasks: int = 4, seed: int = 0, *, image_size: in
                                    "on the shared background patterns.",
                     "splits": {"train": "train.jsonl", "test": "test.jsonl"}, "classes": list(DIGIT_NAMES)}
             _write_task(tdir, meta, _digits_task(tasks, n_digits, test_per_task, seed, image_size), bar)
+            dirs.append(tdir)
+        if held_out:
+            name, classes = HELD_OUT
+            tdir = out / f"zero-shot-{name}"
+            meta = {"name": tdir.name, "kind": "domain", "held_out": True,
+                    "description": f"Zero-shot set, held out: no version trains on it. Synthetic '{name}' domain in "
+                                   f"its own style, {len(classes)} object classes that no stream task has, with the "
+                                   "colour, size, position and background words the stream teaches.",
+                    "splits": {"test": "test.jsonl"}, "classes": list(classes)}
+            test = _domain_task(name, classes, _HELD_OUT_INDEX, 0, test_per_task, seed, image_size)["test"]
+            _write_task(tdir, meta, {"test": test}, bar)
+    return dirs
+
+
+def held_out_task(out: str | Path) -> Path | None:
+    """The zero-shot task `synthesize` wrote under `out`, or None if it wrote none."""
+    tdir = Path(out) / f"zero-shot-{HELD_OUT[0]}"
+    return tdir if (tdir / "task.yaml").is_file() else None
+
+
+def synthesize_languages(out: str | Path, languages: int, seed: int = 0, *, image_size: int = 32,
+                         train_pairs: int = 600, test_per_task: int = 48, progress: bool = True) -> list[Path]:
+    """Write `languages` language tasks under `out`: the same images (the first domain's) captioned in English,
+    then in synthetic languages; return the task dirs in stream order.
+
+    Every task has `train_pairs` train and `test_per_task` test pairs, row k of a split showing the same image
+    in every task; rows carry `caption_en`, the English caption, and `lang`. A language is a bijective word
+    map of English: ~15% of the content words are loanwords spelled alike everywhere, the rest pseudo-words
+    in the language's script, and languages 2-3, 6-7, ... reverse the word order.
+    """
+    out = Path(out)
+    if not 1 <= languages <= len(LANG_CODES):
+        raise ValueError(f"languages must be between 1 and {len(LANG_CODES)} (codes {LANG_CODES[0]}, "
+                         f"{LANG_CODES[1]}..{LANG_CODES[-1]}), got {languages}")
+    if image_size < 16:
+        raise ValueError(f"image_size must be >= 16, got {image_size}")
+    if train_pairs < MIN_TASK_PAIRS:
+        raise ValueError(f"train_pairs must be >= {MIN_TASK_PAIRS}, got {train_pairs}")
+    if test_per_task < 1:
+        raise ValueError(f"test_per_task must be >= 1, got {test_per_task}")
+    _check_out(out)
+    name, classes = next(iter(DOMAINS.items()))
+
+    dirs = []
+    with tqdm(total=languages * (train_pairs + test_per_task), desc="synth", unit="pair", disable=not progress) as bar:
+        pairs = {split: list(gen) for split, gen in  # drawn once: every language shows the same pixels
+                 _domain_task(name, classes, 0, train_pairs, test_per_task, seed, image_size).items()}
+        for i, lang in enumerate(_languages(languages, classes, seed)):
+            tdir = out / f"task-{i:02d}-lang-{lang.code}"
+            said = ("English captions" if i == 0 else f"Captions in synthetic language '{lang.code}' ({lang.script} "
+                    f"script, {'reversed' if lang.reversed else 'English'} word order; the English caption grammar "
+                    "word for word, some content words kept as loanwords)")
+            meta = {"name": tdir.name, "kind": "language", "lang": lang.code, "index": i,
+                    "description": f"{said} of the same '{name}' images as every language task.",
+                    "splits": {"train": "train.jsonl", "test": "test.jsonl"}, "classes": list(classes),
+                    "script": lang.script, "word_order": "reversed" if lang.reversed else "forward"}
+            _write_task(tdir, meta, pairs, bar, lang)
             dirs.append(tdir)
     return dirs

@@ -10,9 +10,21 @@ import pytest
 import yaml
 from PIL import Image
 
-from clipstream.training.data.synth import COLOURS, P9D_SHARES, POSITIONS, synthesize
+from clipstream.training.data.synth import (
+    COLOURS,
+    DOMAINS,
+    HELD_OUT,
+    P9D_SHARES,
+    POSITIONS,
+    TEMPLATES,
+    held_out_task,
+    synthesize,
+    synthesize_languages,
+)
+from clipstream.training.data.task import Task
 
 SMALL = {"tasks": 2, "train_pairs": 200, "test_per_task": 16, "image_size": 16, "progress": False}
+LANG_SMALL = {"train_pairs": 60, "test_per_task": 8, "image_size": 16, "progress": False}
 
 
 def _tree_hash(root: Path) -> str:
@@ -29,6 +41,10 @@ def _rows(tdir: Path, split: str) -> list[dict]:
 
 def _words(rows) -> set[str]:
     return {w for r in rows for w in re.findall(r"[a-z0-9]+", r["caption"])}
+
+
+def _meta(tdir: Path) -> dict:
+    return yaml.safe_load((tdir / "task.yaml").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -187,4 +203,198 @@ def test_progress_bar_counts_pairs(tmp_path, capsys):
     synthesize(tmp_path / "quiet", digits=False, **SMALL)
     assert capsys.readouterr().err == ""
     synthesize(tmp_path / "loud", digits=False, **{**SMALL, "progress": True})
-    assert "232/232" in capsys.readouterr().err  # 200 train + 2 x 16 test
+    assert "248/248" in capsys.readouterr().err  # 200 train + 2 x 16 test + 16 held-out test
+    synthesize_languages(tmp_path / "langs", 2, **LANG_SMALL)
+    assert capsys.readouterr().err == ""
+    synthesize_languages(tmp_path / "langs-loud", 2, **{**LANG_SMALL, "progress": True})
+    assert "136/136" in capsys.readouterr().err  # 2 languages x (60 train + 8 test)
+
+
+# The held-out zero-shot task.
+
+def test_held_out_task_is_a_test_only_domain_outside_the_stream(bench):
+    out = bench[0].parent
+    tdir = held_out_task(out)
+    assert tdir == out / f"zero-shot-{HELD_OUT[0]}" and tdir not in bench
+    assert sorted(p.name for p in out.iterdir()) == sorted([*(p.name for p in bench), tdir.name])
+    meta = _meta(tdir)
+    assert meta["kind"] == "domain" and meta["held_out"] is True and "index" not in meta
+    assert "zero-shot" in meta["description"].lower() and "no version trains on it" in meta["description"]
+    assert meta["splits"] == {"test": "test.jsonl"} and meta["classes"] == list(HELD_OUT[1])
+    assert sorted(p.name for p in tdir.iterdir()) == ["images", "task.yaml", "test.jsonl"]
+    assert [p.name for p in (tdir / "images").iterdir()] == ["test"]
+    task = Task.load(tdir)
+    assert task.kind == "domain" and task.index is None and task.meta["held_out"] is True
+    rows = task.check("test").rows
+    assert len(rows) == 64 and {r["label"] for r in rows} == set(HELD_OUT[1])  # test_per_task pairs, every class
+
+    stream_rows = [r for t in bench for split in ("train", "test") for r in _rows(t, split)]
+    assert not set(HELD_OUT[1]) & {c for t in bench for c in _meta(t)["classes"]}
+    assert not set(HELD_OUT[1]) & _words(stream_rows), "a held-out class word is in the stream's captions"
+    assert _words(rows) - set(HELD_OUT[1]) <= _words(stream_rows)  # every other word is one the stream teaches
+    assert HELD_OUT[0] not in DOMAINS
+    held_out_pixels = np.stack([np.asarray(Image.open(tdir / r["image"]), float).mean((0, 1)) for r in rows])
+    for t in bench[:4]:  # its own style: another background tint than any stream domain
+        pixels = np.stack([np.asarray(Image.open(t / r["image"]), float).mean((0, 1)) for r in _rows(t, "test")])
+        assert np.abs(np.median(held_out_pixels, 0) - np.median(pixels, 0)).max() > 3
+
+
+def test_held_out_classes_stay_disjoint_when_the_stream_wraps_the_domains(tmp_path):
+    """tasks >= 10 reuse DOMAINS with suffixes; the held-out task is the same whatever the stream's length."""
+    kw = {"seed": 2, "test_per_task": 8, "image_size": 16, "digits": False, "progress": False}
+    long = synthesize(tmp_path / "long", tasks=10, train_pairs=1320, **kw)
+    synthesize(tmp_path / "short", tasks=1, train_pairs=60, **kw)
+    assert [p.name for p in long][-1] == "task-09-household2"
+    stream_classes = {c for t in long for c in _meta(t)["classes"]}
+    assert len(stream_classes) == sum(map(len, DOMAINS.values())) + len(DOMAINS["household"])
+    assert not set(_meta(held_out_task(tmp_path / "long"))["classes"]) & stream_classes
+    assert not set(HELD_OUT[1]) & {c for classes in DOMAINS.values() for c in classes}
+    assert not any(c[-1].isdigit() for c in HELD_OUT[1])  # so no suffixed stream class can equal one
+    assert _tree_hash(held_out_task(tmp_path / "long")) == _tree_hash(held_out_task(tmp_path / "short"))
+    assert Task.load(held_out_task(tmp_path / "short")).check("test").rows
+
+
+def test_held_out_false_writes_none(tmp_path):
+    dirs = synthesize(tmp_path / "out", held_out=False, **SMALL)
+    assert held_out_task(tmp_path / "out") is None
+    assert sorted((tmp_path / "out").iterdir()) == dirs
+
+
+# Languages as tasks: the same images captioned in K languages.
+
+def _tokens(caption: str) -> list[str]:
+    return re.findall(r"\w+|,", caption)
+
+
+def _word_map(rows) -> tuple[dict, bool]:
+    """The English -> language word map that a language's rows imply, and whether it reverses the word order;
+    fails unless one reading (forward or reversed) maps every English word to one word in every row."""
+    for reverse in (False, True):
+        mapping = {}
+        for r in rows:
+            en, said = _tokens(r["caption_en"]), _tokens(r["caption"])
+            if len(en) != len(said):
+                break
+            if any(mapping.setdefault(a, b) != b for a, b in zip(en, said[::-1] if reverse else said)):
+                break
+        else:
+            return mapping, reverse
+    pytest.fail(f"{rows[0]['lang']}: no word-for-word reading of {rows[0]['caption']!r}")
+
+
+@pytest.fixture(scope="module")
+def langs(tmp_path_factory) -> list[Path]:
+    return synthesize_languages(tmp_path_factory.mktemp("langs") / "out", 6, seed=1, **LANG_SMALL)
+
+
+def _all_rows(tdir: Path) -> list[dict]:
+    return _rows(tdir, "train") + _rows(tdir, "test")
+
+
+def test_language_tasks_layout_and_rows(langs):
+    codes = ["en", "xa", "xb", "xc", "xd", "xe"]
+    assert [p.name for p in langs] == [f"task-{i:02d}-lang-{c}" for i, c in enumerate(codes)]
+    assert sorted(p.name for p in langs[0].parent.iterdir()) == [p.name for p in langs]  # no held-out task here
+    for i, (tdir, code) in enumerate(zip(langs, codes)):
+        meta = _meta(tdir)
+        assert meta["kind"] == "language" and meta["lang"] == code and meta["index"] == i and meta["description"]
+        assert meta["splits"] == {"train": "train.jsonl", "test": "test.jsonl"}
+        assert meta["classes"] == list(DOMAINS["household"])
+        task = Task.load(tdir)
+        assert task.kind == "language" and task.index == i
+        assert len(task.check("train").rows) == 60 and len(task.check("test").rows) == 8
+        for split in ("train", "test"):
+            for r in _rows(tdir, split):
+                assert list(r) == ["id", "image", "caption", "caption_en", "lang", "label"]
+                assert r["id"].startswith(f"{tdir.name}-{split}-") and r["image"].startswith(f"images/{split}/")
+                assert r["lang"] == code and r["label"] in meta["classes"]
+                assert re.search(rf"\b{r['label']}\b", r["caption_en"])
+                assert (tdir / r["image"]).resolve().is_relative_to(tdir.resolve())
+
+
+def test_every_language_shows_the_same_images(langs):
+    for split in ("train", "test"):
+        rows = [_rows(t, split) for t in langs]
+        for k in range(len(rows[0])):
+            same = [r[k] for r in rows]
+            assert len({r["id"].removeprefix(t.name) for r, t in zip(same, langs)}) == 1
+            assert len({(t / r["image"]).read_bytes() for r, t in zip(same, langs)}) == 1
+            assert len({(r["caption_en"], r["label"]) for r in same}) == 1
+            assert len({r["caption"] for r in same}) == len(langs), "two languages caption an image alike"
+
+
+def test_english_is_the_caption_grammar_verbatim(langs):
+    word = "[a-z ]+"  # the templates have no other regex syntax
+    patterns = [re.compile(t.format(size=word, colour=word, obj=word, pos=word, bg=word) + "$") for t in TEMPLATES]
+    for r in _all_rows(langs[0]):
+        assert r["caption"] == r["caption_en"]
+        assert any(p.match(r["caption"]) for p in patterns), r["caption"]
+    mapping, reverse = _word_map(_all_rows(langs[0]))
+    assert not reverse and all(a == b for a, b in mapping.items())
+
+
+def test_word_maps_are_bijections_with_shared_loanwords_and_some_reversed_order(langs):
+    maps = [_word_map(_all_rows(t)) for t in langs]
+    english = set(maps[0][0])
+    grammar = {w for t in TEMPLATES for w in re.findall(r"\w+", re.sub(r"\{\w+\}", "", t))}
+    content = english - grammar - {","}
+    loans = []
+    for tdir, (mapping, reverse) in zip(langs[1:], maps[1:]):
+        assert set(mapping) == english  # the rows use every word, so the whole map is checked
+        assert len(set(mapping.values())) == len(mapping), f"{tdir.name}: two English words, one word"
+        assert all(mapping[w] != w for w in grammar), "function words map too"
+        kept = {w for w, said in mapping.items() if said == w} - {","}
+        assert kept <= content and not {mapping[w] for w in english - kept - {","}} & english  # no false friends
+        assert _meta(tdir)["word_order"] == ("reversed" if reverse else "forward")
+        loans.append(kept)
+    assert all(kept == loans[0] for kept in loans), "loanwords are spelled alike in every language"
+    assert 0.1 <= len(loans[0]) / len(content) <= 0.2
+    assert any(reverse for _, reverse in maps) and not all(reverse for _, reverse in maps[1:])
+
+
+def _pieces(words) -> set[str]:
+    return {w[i:i + n] for w in words for n in (2, 3) for i in range(len(w) - n + 1)}
+
+
+def test_languages_of_one_script_share_subword_pieces_others_only_loanwords(langs):
+    maps = [_word_map(_all_rows(t))[0] for t in langs[1:]]
+    scripts = [_meta(t)["script"] for t in langs[1:]]
+    own = [{said for w, said in m.items() if said != w} for m in maps]  # the pseudo-words
+    assert len(set(scripts)) >= 2 and any(scripts.count(s) >= 2 for s in scripts)
+    assert any(re.search(r"[^\x00-\x7f]", "".join(words)) for words in own)  # a script of accented letters
+    for i in range(len(maps)):
+        for j in range(i + 1, len(maps)):
+            shared = _pieces(own[i]) & _pieces(own[j])
+            if scripts[i] == scripts[j]:
+                assert shared and own[i] != own[j]
+            else:
+                assert not shared and not set("".join(own[i])) & set("".join(own[j]))
+
+
+def test_languages_are_deterministic_and_seeded(tmp_path, langs):
+    """The same seed gives the same files (the first K languages of a longer run too); another seed, other maps."""
+    again = synthesize_languages(tmp_path / "again", 3, seed=1, **LANG_SMALL)
+    assert [p.name for p in again] == [p.name for p in langs[:3]]
+    assert [_tree_hash(p) for p in again] == [_tree_hash(p) for p in langs[:3]]
+    other = synthesize_languages(tmp_path / "other", 3, seed=2, **LANG_SMALL)
+    for a, b in zip(langs[1:3], other[1:]):
+        assert (a / "train.jsonl").read_bytes() != (b / "train.jsonl").read_bytes()
+        ma, mb = _word_map(_all_rows(a))[0], _word_map(_all_rows(b))[0]
+        assert sum(ma[w] != mb[w] for w in ma) > len(ma) / 2
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"languages": 0}, "languages"),
+    ({"languages": 28}, "languages"),
+    ({"languages": 2, "train_pairs": 10}, "train_pairs"),
+    ({"languages": 2, "test_per_task": 0}, "test_per_task"),
+    ({"languages": 2, "image_size": 8}, "image_size"),
+])
+def test_bad_language_arguments_raise(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        synthesize_languages(tmp_path / "out", **{**LANG_SMALL, **kwargs})
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("precious")
+    with pytest.raises(ValueError, match="non-empty"):
+        synthesize_languages(tmp_path / "full", 2, **LANG_SMALL)
