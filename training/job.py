@@ -99,11 +99,6 @@ class Evaluation:
     heatmap: Path
     zero_shot: list[float] = field(default_factory=list)  # mean held-out Rm of each version since the set began
 
-    @property
-    def zero_shot_drop(self) -> Optional[float]:
-        """How much held-out Rm this version lost against the first version evaluated on the set."""
-        return self.zero_shot[0] - self.zero_shot[-1] if self.zero_shot else None
-
 
 @dataclass
 class TaskResult:
