@@ -271,7 +271,7 @@ def _demo(args) -> None:
         from clipstream import local_cluster
 
         out = Path(args.out or settings.data_dir / f"cluster-demo-{time.strftime('%Y%m%d-%H%M%S')}")
-        return local_cluster.demo(out, args.method, args.tasks, args.seed, args.set)
+        return local_cluster.demo(out, args.method, args.tasks, args.seed, args.set, args.zero_shot)
     from clipstream.training.data.synth import held_out_task, synthesize
     from clipstream.training.job import run_task
 

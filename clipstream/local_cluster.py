@@ -396,14 +396,15 @@ def rayjobs(*args: str, overrides=(), env: dict | None = None, cwd: Path | None 
     return list(yaml.safe_load_all(done.stdout))
 
 
-def demo(out: Path, method: str = "finetune", tasks: int = 2, seed: int = 0, overrides=()) -> None:
+def demo(out: Path, method: str = "finetune", tasks: int = 2, seed: int = 0, overrides=(), zero_shot=()) -> None:
     """The cluster path once, on this machine: a stream trained by RayJobs through the Jobs API on two nodes,
-    registered on the MLflow server, served from the chart's RayService config, promoted and searched."""
+    registered on the MLflow server, served from the chart's RayService config, promoted and searched. The
+    synthetic held-out task and `zero_shot` are evaluated with every version."""
     from tqdm import tqdm
 
     from clipstream.cli import format_hits
     from clipstream.services.client import Client
-    from clipstream.training.data.synth import synthesize
+    from clipstream.training.data.synth import held_out_task, synthesize
     from clipstream.training.data.task import Task
 
     chart = Chart.render(small_node_values())
@@ -412,7 +413,9 @@ def demo(out: Path, method: str = "finetune", tasks: int = 2, seed: int = 0, ove
         print(f"== a Ray cluster of {cluster.nodes} nodes (`ray start`, dashboard {cluster.dashboard_url}) and "
               f"`mlflow server` at {cluster.mlflow_uri}, under {cluster.root}")
         dirs = synthesize(cluster.shared / "data", tasks=tasks, seed=seed, digits=False, progress=False)
-        jobs = rayjobs("stream", "--tasks", *map(str, dirs), "--name", "demo", "--method", method,
+        held_out = [arg for task in (*zero_shot, held_out_task(cluster.shared / "data"))
+                    for arg in ("--zero-shot", str(task))]
+        jobs = rayjobs("stream", "--tasks", *map(str, dirs), "--name", "demo", "--method", method, *held_out,
                        overrides=[*SMALL_NODES, *overrides], env=base, cwd=cluster.root)
         print(f"\n== training {len(dirs)} tasks: the RayJobs of `clipstream k8s stream` ({method}), submitted through "
               "the Ray Jobs API at once; each waits for its parent's version")
@@ -425,7 +428,9 @@ def demo(out: Path, method: str = "finetune", tasks: int = 2, seed: int = 0, ove
         print(f"\n== `clipstream promote {last} --force` against the cluster (a gate that fails is shown, not enforced)")
         promoted = subprocess.run([tool("clipstream"), "promote", last, "--force"], env=env, cwd=cluster.root,
                                   capture_output=True, text=True, check=False)
-        print(promoted.stdout.strip() or promoted.stderr.strip())
+        if promoted.returncode:  # searching an index nothing was promoted into would only show empty answers
+            raise RuntimeError(f"clipstream promote {last} exited {promoted.returncode}: {promoted.stderr.strip()[-2000:]}")
+        print(promoted.stdout.strip())
         first = Task.load(dirs[0]).check("test").rows[0]
         port = chart.serve_config["grpc_options"]["port"]
         with Client(f"127.0.0.1:{port}", api_key=chart.pod_env().get("CLIPSTREAM_API_KEY")) as client:

@@ -287,7 +287,8 @@ def _zero_shot(plan: Plan, bundle: models.ClipBundle) -> list[float]:
     drop from the first version evaluated on the same set; returns that mean for every such version so far."""
     if not plan.zero_shot:
         return []
-    scores = evaluate.evaluate_seen([evaluate.embed_task(bundle, _task_of(e)) for e in plan.zero_shot])["known"]
+    embedded = [evaluate.embed_task(bundle, _task_of(e)) for e in plan.zero_shot]
+    scores = {e.task: evaluate.retrieval_metrics(e.img, e.txt, e.positive) for e in embedded}
     for name, metrics in scores.items():
         mlflow.log_metrics({f"eval/zero_shot/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
     before = (plan.parent.manifest.get("zero_shot") or {}) if plan.parent else {}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import functools
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,8 @@ from pathlib import Path
 import jsonschema
 import kubernetes_validate
 import yaml
+
+from clipstream.local_cluster import tool  # the real binary, the venv's first (never a skip)
 
 REPO = Path(__file__).resolve().parents[2]
 KUBERNETES = "1.35.0"  # the API version of the kubectl that `make setup` installs
@@ -36,15 +37,6 @@ def schemas_dir() -> Path:
     if not (folder / KUBERAY).is_dir():
         raise FileNotFoundError(f"{folder / KUBERAY}: the KubeRay CRD schemas are missing")
     return folder
-
-
-def tool(name: str) -> str:
-    """The real binary: the venv's (put there by `make setup`) first, then PATH. Never a skip."""
-    venv = Path(sys.executable).parent / name
-    found = str(venv) if venv.is_file() else shutil.which(name)
-    if not found:
-        raise FileNotFoundError(f"{name} not found next to {sys.executable} or on PATH: run `make setup`")
-    return found
 
 
 def run(*args: str, stdin: str | None = None) -> str:

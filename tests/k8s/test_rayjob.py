@@ -67,7 +67,7 @@ def test_cpu_job_asks_for_no_gpu(capsys):
 
 def test_stream_chains_each_job_to_its_parents_alias(capsys):
     jobs = cli(capsys, "stream", "--tasks", "s3://b/t0", "s3://b/t1", "gs://b/t2", "--method", "finetune",
-               "--name", "run7", "--parent", "production", "--wait-parent", "600")
+               "--name", "run7", "--parent", "production", "--wait-parent", "600", "--zero-shot", "s3://b/held")
     validate_all(jobs)
     assert [j["metadata"]["name"] for j in jobs] == [f"clipstream-train-run7-{k}" for k in (1, 2, 3)]
     args = [train_args(j) for j in jobs]
@@ -75,6 +75,7 @@ def test_stream_chains_each_job_to_its_parents_alias(capsys):
     assert [a.alias for a in args] == [["run7-1"], ["run7-2"], ["run7-3"]]
     assert [a.parent for a in args] == ["production", "@run7-1", "@run7-2"]
     assert [a.wait_parent for a in args] == [0, 600, 600]  # the first one's parent must exist already
+    assert [a.zero_shot for a in args] == [["s3://b/held"], [], []]  # the later versions inherit it
     # a job that waits for its parent gets that much more time before its deadline
     assert jobs[1]["spec"]["activeDeadlineSeconds"] == jobs[0]["spec"]["activeDeadlineSeconds"] + 600
 
