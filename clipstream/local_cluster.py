@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -53,9 +54,27 @@ def small_node_values() -> dict:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on now, from below the kernel's ephemeral range: several of the cluster's
+    ports are bound minutes after they are chosen (Serve's proxies after training), and a port the kernel hands
+    out itself is one any outgoing connection may take as its source port meanwhile (CI, 24/11: Serve's HTTP
+    proxy "failed to bind"). Only another listener choosing the same port can still collide."""
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port below {low} after 100 tries")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 @dataclass

@@ -1,14 +1,13 @@
 """A real Ray Serve app on loopback gRPC, serving versions registered without training."""
 
 import io
-import socket
 
 import grpc
 import pytest
 from PIL import Image
 
+from clipstream.local_cluster import free_port
 from tests.conftest import register_version
-
 
 LAST = "test_live_promotion.py"  # replaces the shared app: run it after the other service tests
 
@@ -46,12 +45,6 @@ def set_production(settings, stub, version: str, timeout_s: float = 20.0) -> Non
         time.sleep(0.2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def png(colour) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (40, 40), colour).save(buf, format="PNG")
@@ -67,7 +60,7 @@ def served(ray_cluster, tmp_path_factory):
     from clipstream.v1 import encoder_pb2_grpc
 
     # no CPU reserved: the session's 2-CPU Ray cluster must still fit the training tests that follow
-    settings = Settings(home=tmp_path_factory.mktemp("serve") / "home", grpc_port=_free_port(), serve_max_items=8,
+    settings = Settings(home=tmp_path_factory.mktemp("serve") / "home", grpc_port=free_port(), serve_max_items=8,
                         serve_max_text_chars=100, serve_max_image_bytes=200_000, serve_batch_size=16,
                         serve_encoder_cpus=0, serve_search_cpus=0).ensure_dirs()
     v1 = register_version(settings, seed=1, alias="production")
