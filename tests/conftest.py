@@ -118,7 +118,7 @@ def trained_stream(request):
             home = started.trained(method, stage)
         except RuntimeError as exc:
             pytest.fail(str(exc))
-        return Settings(home=home, presets=started.root / "presets.yaml"), streams.tasks(started.root)
+        return Settings(home=home, presets=started.root / "presets.yaml"), streams.tasks_of(started.root, method)
 
     return train
 

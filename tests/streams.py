@@ -33,6 +33,11 @@ ewc_modx_ctp_er:
   inherit_from: [ewc, modx, ctp_er]
 """
 
+# A language stream (CLL-CLIP's setting): English, then two synthetic languages. Its first version is the
+# teacher the methods learn languages from, trained with C-CLIP at ZeRO 0 (so C-CLIP runs at both stages).
+LANGUAGE_METHODS = ("cllclip", "teir")
+FIRST_LANGUAGE = ("cclip", ["train.epochs=2"])
+
 FAST = ["train.epochs=1", "train.micro_batch=8", "train.log_every=1", "train.max_failures=0", "train.warmup_steps=1"]
 
 
@@ -46,6 +51,21 @@ def tasks(root: Path) -> list[Path]:
                    progress=False)
         (data / ".done").touch()
     return sorted(p for p in data.iterdir() if p.is_dir())
+
+
+def language_tasks(root: Path) -> list[Path]:
+    """English and two synthetic languages, the same 256 images in each."""
+    from clipstream.training.data.synth import synthesize_languages
+
+    data = root / "languages"
+    if not (data / ".done").exists():
+        synthesize_languages(data, 3, seed=5, train_pairs=256, test_per_task=12, progress=False)
+        (data / ".done").touch()
+    return sorted(p for p in data.iterdir() if p.is_dir())
+
+
+def tasks_of(root: Path, method: str) -> list[Path]:
+    return language_tasks(root) if method in LANGUAGE_METHODS else tasks(root)
 
 
 def home(root: Path, method: str, stage: int) -> Path:
@@ -62,7 +82,7 @@ def train(root: Path, method: str, stage: int) -> None:
     from clipstream.cli import main
     from clipstream.settings import Settings
 
-    folders = tasks(root)
+    folders = tasks_of(root, method)
     presets = root / "presets.yaml"
     presets.write_text(OWN_PRESETS)
     for name in [n for n in os.environ if n.startswith("CLIPSTREAM_")]:  # (the previous stream's)
@@ -70,8 +90,9 @@ def train(root: Path, method: str, stage: int) -> None:
     os.environ.update(Settings(home=home(root, method, stage), presets=presets).ensure_dirs().env())
     extra = ["method.er.buffer_pairs=40"] if "er" in method.split("_") else []
     for i, folder in enumerate(folders):
-        args = ["train", "--task", str(folder), "--method", method, "--workers", "2"]
-        for item in [*FAST, f"train.zero_stage={stage}", *extra]:
+        first = method in LANGUAGE_METHODS and i == 0
+        args = ["train", "--task", str(folder), "--method", FIRST_LANGUAGE[0] if first else method, "--workers", "2"]
+        for item in [*FAST, f"train.zero_stage={stage}", *extra, *(FIRST_LANGUAGE[1] if first else [])]:
             args += ["--set", item]
         if main(args + (["--parent", str(i)] if i else [])) != 0:
             raise SystemExit(f"stream {method} (ZeRO {stage}): `clipstream {' '.join(args)}` failed")

@@ -86,18 +86,19 @@ def train_step(engine, method, task_ctx: TaskContext, batch: dict) -> tuple[torc
     """The whole step: CLIP loss over the gathered batch plus the method's terms, backward, optimizer
     step, the method's after-step hook (e.g. CTP's momentum update). Returns the loss and its terms."""
     feats = forward_features(engine.module, batch["image"], batch["text"])
-    terms = {"clip": clip_loss(feats.image, feats.text, feats.logit_scale)}
+    terms = {"clip": method.clip_weight * clip_loss(feats.image, feats.text, feats.logit_scale)}
     terms.update(method.loss_terms(task_ctx, batch, feats))
     loss = sum(terms.values())
     engine.backward(loss)
+    task_ctx.lr = engine.get_lr()[0]  # the rate this step applies (the scheduler moves on inside `step`)
     engine.step()
     method.after_step(task_ctx)
     return loss, terms
 
 
 def train_loop(config: dict) -> None:
-    """`TorchTrainer` entry point. `config`: the resolved preset plus `model_source`, `parent_state`,
-    `steps_per_epoch`, `task_index`, `tracking` (MLflow URI and run id for live metrics)."""
+    """`TorchTrainer` entry point. `config`: the resolved preset plus `model_source`, `teacher_source` (None: no
+    teacher), `method_state`, `steps_per_epoch`, `task_index`, `tracking` (MLflow URI and run id for live metrics)."""
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # our own progress lines say enough
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -109,16 +110,16 @@ def train_loop(config: dict) -> None:
     bundle = models.create(config["model"]["arch"], config["model_source"])
     method = methods.build(config)
     model = method.prepare_model(prepare_for_deepspeed(bundle.model))
-    if config.get("parent_state"):
-        method.load_state_dict(torch.load(config["parent_state"], weights_only=False))
+    if config.get("method_state"):
+        method.load_state_dict(torch.load(config["method_state"], weights_only=False))
 
     steps_per_epoch = config["steps_per_epoch"]
     total = steps_per_epoch * train["epochs"] // train["grad_accum"]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, train["weight_decay"]),
                                       config=deepspeed_config(train, world, total))
     teacher = None
-    if method.needs_teacher and config["task_index"] > 0:  # θ(t-1), as registered: also right after a resume
-        teacher = prepare_for_deepspeed(models.create(config["model"]["arch"], config["model_source"]).model)
+    if method.needs_teacher and config.get("teacher_source"):  # θ(t-1) as registered (or pinned): also after a resume
+        teacher = prepare_for_deepspeed(models.create(config["model"]["arch"], config["teacher_source"]).model)
         teacher = frozen(teacher.to(device=engine.device, dtype=next(engine.module.parameters()).dtype))
     task_ctx = TaskContext(model=engine.module, task_index=config["task_index"], rank=rank, world_size=world,
                            device=engine.device, teacher=teacher, current=config["current"])
@@ -142,7 +143,8 @@ def train_loop(config: dict) -> None:
         batches = shard.iter_torch_batches(batch_size=train["micro_batch"], drop_last=True, device=engine.device, prefetch_batches=4,
                                            local_shuffle_buffer_size=train["shuffle_buffer"],
                                            local_shuffle_seed=train["seed"] + 1000 * epoch + rank,
-                                           dtypes={"image": torch.float32, "text": torch.long})
+                                           dtypes={"image": torch.float32, "text": torch.long,
+                                                   **({"text_en": torch.long} if method.teacher_text else {})})
         last = epoch == train["epochs"] - 1
         kept = collections.deque(maxlen=method.task_end_batches if last else 0)  # for after_task
         tic, seen, steps, busy = time.perf_counter(), 0, 0, 0.0

@@ -69,6 +69,9 @@ class Plan:
     gpus_per_worker: Optional[float] = None  # None: one GPU per worker when the driver sees CUDA, else CPU only
     aliases: tuple[str, ...] = ()  # set on the new version besides `candidate` (a stream's jobs chain by them)
     zero_shot: list[dict] = field(default_factory=list)  # held-out tasks (lineage-style entries), never trained on
+    grown: Optional[Path] = None  # the model folder the method made to train instead (CLL-CLIP: vocabulary grown)
+    teacher_source: Optional[str] = None  # the frozen teacher's folder or pretrained model; None: no teacher
+    state_path: Optional[Path] = None  # the method state the workers start from (the parent's, or the driver's)
 
     @property
     def history(self) -> list[dict]:
@@ -87,8 +90,11 @@ class Plan:
         return self.rows // self.workers // self.config["train"]["micro_batch"]
 
     @property
-    def model_source(self) -> str:
-        """The parent's exported folder, or the preset's pretrained tag or checkpoint (None = random init)."""
+    def model_source(self) -> Optional[str]:
+        """What the job trains: the method's grown folder, else the parent's exported folder, else the preset's
+        pretrained tag or checkpoint (None = random init)."""
+        if self.grown:
+            return str(self.grown)
         return str(self.parent.folder) if self.parent else self.config["model"]["pretrained"]
 
 
@@ -163,6 +169,7 @@ def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optio
                 Path(tempfile.mkdtemp(prefix="clipstream-job-")), zero_shot=held_out)
     try:
         _check_data(plan)
+        _prepare_model(registry, plan)
     except BaseException:
         shutil.rmtree(plan.workdir, ignore_errors=True)
         raise
@@ -185,6 +192,24 @@ def _zero_shot_entries(dirs: Iterable[str | Path], parent: Optional[Version], tr
             raise ValueError(f"zero-shot task {task.name!r} is trained on by this stream: a held-out task must not be")
         entries.append({"task": task.name, "path": str(task.root), "data_sha": task.data_sha()})
     return entries
+
+
+def _prepare_model(registry: Registry, plan: Plan) -> None:
+    """What the method makes of the starting model (CLL-CLIP grows it; its state then goes to the workers from
+    the workdir) and the teacher: the one the method pins for its stream, else the parent."""
+    source = plan.model_source
+    plan.grown = plan.method.prepare_version(source, plan.parent.version if plan.parent else None, plan.config,
+                                             plan.current, plan.history, plan.workdir)
+    if plan.grown:
+        plan.state_path = plan.workdir / METHOD_STATE_FILE
+        torch.save(plan.method.state_dict(), plan.state_path)
+    elif plan.parent:
+        plan.state_path = plan.parent.folder / METHOD_STATE_FILE
+    pinned = plan.method.teacher()
+    if pinned and pinned.get("version"):
+        plan.teacher_source = str(registry.resolve(pinned["version"]).folder)
+    else:
+        plan.teacher_source = pinned["source"] if pinned else (str(plan.parent.folder) if plan.parent else None)
 
 
 def _check_data(plan: Plan) -> None:
@@ -213,11 +238,12 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
     mlflow.log_dict(config, "config.json")
     mlflow.log_metric("data/skipped_rows", len(plan.skipped))
     bundle = models.create(config["model"]["arch"], plan.model_source)
-    tokenizer = f"local-dir:{plan.parent.folder}" if plan.parent else bundle.arch
     init_ray(settings)
     deterministic = train["deterministic"]
-    dataset = training_dataset(plan.sources, bundle.model.visual.preprocess_cfg, tokenizer,
-                               seed=train["seed"] if deterministic else None, cpus=train["data_cpus"])
+    teacher_tokens = _tokenizer_spec(plan.teacher_source, bundle.arch) if plan.method.teacher_text else None
+    dataset = training_dataset(plan.sources, bundle.model.visual.preprocess_cfg, _tokenizer_spec(plan.model_source, bundle.arch),
+                               seed=train["seed"] if deterministic else None, cpus=train["data_cpus"],
+                               teacher_tokenizer=teacher_tokens)
     ingest = DataConfig.default_ingest_options()
     ingest.preserve_order = deterministic  # rows reach the workers in the same order on every run
     gpus = plan.gpus_per_worker if plan.gpus_per_worker is not None else float(torch.cuda.is_available())
@@ -226,7 +252,8 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
         train_loop_config={**config, "model_source": plan.model_source, "task_index": plan.task_index,
                            "steps_per_epoch": plan.steps_per_epoch, "fail_once": os.environ.get("CLIPSTREAM_FAIL_ONCE"),
                            "threads_per_worker": max(1, int(ray.available_resources().get("CPU", 1)) // plan.workers),
-                           "parent_state": str(plan.parent.folder / METHOD_STATE_FILE) if plan.parent else None,
+                           "method_state": str(plan.state_path) if plan.state_path else None,
+                           "teacher_source": plan.teacher_source,
                            "current": plan.current, "tracking": {"uri": settings.mlflow_tracking_uri, "run_id": run_id}},
         # SPREAD: one worker per node where there are several (a RayJob has one worker pod per worker), where
         # PACK would put two CPU workers on one pod's cores and leave the other pod idle
@@ -323,6 +350,11 @@ def init_ray(settings: Settings, num_cpus: Optional[int] = None) -> None:
         ray.init(address=settings.ray_address, log_to_driver=True)
     else:
         ray.init(num_cpus=num_cpus or os.cpu_count(), log_to_driver=True, configure_logging=False)
+
+
+def _tokenizer_spec(source: Optional[str], arch: str) -> str:
+    """open_clip's name for a model's tokenizer: its exported folder's own, else its architecture's."""
+    return f"local-dir:{source}" if source and Path(source).is_dir() else arch
 
 
 def _task_of(entry: dict) -> Task:

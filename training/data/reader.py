@@ -43,7 +43,7 @@ def _transform(cfg: str, augment: bool) -> Callable:
 
 
 def _prepare(batch: dict, *, root: str, preprocess: str, augment: bool, tokenizer: str, skip_ids: frozenset,
-             seed: int | None) -> dict:
+             seed: int | None, teacher_tokenizer: str | None = None) -> dict:
     import torch
 
     from clipstream.models import load_image
@@ -59,9 +59,14 @@ def _prepare(batch: dict, *, root: str, preprocess: str, augment: bool, tokenize
         except Exception as exc:  # the file changed after the task was checked
             raise DataError(f"task {root}: cannot decode image of id {batch['id'][i]!r}: {exc}") from exc
     captions = [str(batch["caption"][i]) for i in keep]
+    english = [str(batch["caption_en"][i]) for i in keep] if "caption_en" in batch else captions
+    empty = np.zeros((0, 1), np.int64)
     if not keep:
-        return {"image": np.zeros((0, 3, 1, 1), np.float32), "text": np.zeros((0, 1), np.int64)}
-    return {"image": np.stack(images).astype(np.float32), "text": _tokenizer(tokenizer)(captions).numpy()}
+        return {"image": np.zeros((0, 3, 1, 1), np.float32), "text": empty, **({"text_en": empty} if teacher_tokenizer else {})}
+    out = {"image": np.stack(images).astype(np.float32), "text": _tokenizer(tokenizer)(captions).numpy()}
+    if teacher_tokenizer:  # a language task's English caption (CLL-CLIP's r^E), in the teacher's tokens
+        out["text_en"] = _tokenizer(teacher_tokenizer)(english).numpy()
+    return out
 
 
 def batch_image(batch: dict, i: int, root: str):
@@ -102,7 +107,7 @@ def _from_webdataset(batch: dict) -> dict:
 
 def training_dataset(tasks: Iterable[tuple[Task, Iterable[str]]], preprocess: dict, tokenizer: str,
                      split: str = "train", seed: int | None = None, augment: bool = True,
-                     cpus: float = 1.0) -> ray.data.Dataset:
+                     cpus: float = 1.0, teacher_tokenizer: str | None = None) -> ray.data.Dataset:
     """Union of the given tasks' splits as `{image: float32[3,H,W], text: int64[L]}` rows, images through
     open_clip's transform for `preprocess` (a model's `visual.preprocess_cfg`; with its random crop when
     `augment`), captions through the tokenizer named `tokenizer`.
@@ -110,7 +115,8 @@ def training_dataset(tasks: Iterable[tuple[Task, Iterable[str]]], preprocess: di
     Each entry is (task, ids to skip): the ids that checking found bad under the `skip` policy.
     With a `seed`, the rows' augmentations and the block order are fixed by it, so that run with
     `preserve_order` the dataset yields the same batches every time (each row is cropped the same
-    way in every epoch). Each read and preprocessing task reserves `cpus` (a preset's `train.data_cpus`)."""
+    way in every epoch). Each read and preprocessing task reserves `cpus` (a preset's `train.data_cpus`).
+    With a `teacher_tokenizer`, rows also carry `text_en`: the `caption_en` column (else the caption) in its tokens."""
     parts = []
     for task, skip_ids in tasks:
         raw = read_split(task, split, cpus)
@@ -118,7 +124,7 @@ def training_dataset(tasks: Iterable[tuple[Task, Iterable[str]]], preprocess: di
             _prepare, batch_format="numpy", batch_size=64, num_cpus=cpus,
             fn_kwargs={"root": str(task.root), "preprocess": json.dumps(dict(preprocess), sort_keys=True),
                        "augment": augment, "tokenizer": tokenizer,
-                       "skip_ids": frozenset(map(str, skip_ids)), "seed": seed},
+                       "skip_ids": frozenset(map(str, skip_ids)), "seed": seed, "teacher_tokenizer": teacher_tokenizer},
         ))
     # several tasks (joint, replay): blocks in a random order (a new one each epoch unless seeded), so the
     # workers' local shuffle buffers see every task throughout the epoch rather than one task after another

@@ -8,6 +8,7 @@ from clipstream.training.methods.base import (
     forward_features,
 )
 from clipstream.training.methods.cclip import CClip
+from clipstream.training.methods.cllclip import CllClip
 from clipstream.training.methods.config import method_presets, resolve
 from clipstream.training.methods.ctp import CTP
 from clipstream.training.methods.er import ER
@@ -17,7 +18,7 @@ from clipstream.training.methods.lwf import LwF
 from clipstream.training.methods.mas import MAS
 from clipstream.training.methods.modx import ModX
 
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Joint, EWC, MAS, LwF, ER, ModX, CTP, CClip)}
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Joint, EWC, MAS, LwF, ER, ModX, CTP, CClip, CllClip)}
 
 
 def build(config: dict) -> Stack:

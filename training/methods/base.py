@@ -5,8 +5,10 @@ pieces several methods share: the features of one forward pass and the frozen pr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -47,6 +49,7 @@ class TaskContext:
     teacher: Optional[torch.nn.Module] = None
     current: dict = field(default_factory=dict)
     step: int = 0
+    lr: float = 0.0  # the scheduler's learning rate at this step
     _teacher_cache: tuple = (None, None)
 
     def teacher_features(self, batch: dict) -> Features:
@@ -61,7 +64,8 @@ class Method:
     """Sequential fine-tuning is the base behaviour; a method overrides only the hooks it needs.
 
     Lifecycle per task job: `load_state_dict` (state saved with the parent version; on the driver too)
-    → `extra_tasks` (driver) → `prepare_model` (before the engine is built) → `before_task` → for each step:
+    → `extra_tasks` and `prepare_version` (driver) → `prepare_model` (before the engine is built) → `before_task`
+    → for each step:
     `loss_terms` → `after_step` → `after_task` (with the task's last `task_end_batches` batches) →
     `state_dict` (saved with the version); `export_model` gives the plain open_clip model each export holds.
     """
@@ -70,6 +74,8 @@ class Method:
     needs_teacher = False  # the engine then builds ctx.teacher: the parent version, frozen
     task_end_batches = 0   # how many of the last epoch's batches `after_task` receives
     trains_towers = ("image", "text")  # a tower left out is recorded unchanged, so indexing can reuse its vectors
+    clip_weight = 1.0      # the engine's CLIP loss is scaled by it
+    teacher_text = False   # batches then carry `text_en`: the English caption (else the caption) in the teacher's tokens
 
     def __init__(self, params: dict):
         self.params = params
@@ -77,6 +83,17 @@ class Method:
     def extra_tasks(self, current: dict, history: list[dict], workdir: str) -> list[dict]:
         """Training data besides the current task's: lineage-style entries `{task, path, ...}`."""
         return []
+
+    def prepare_version(self, source: Optional[str], parent: Optional[str], config: dict, current: dict,
+                        history: list[dict], workdir: Path) -> Optional[Path]:
+        """A model folder to train instead of `source` (the parent's folder or the preset's model; `parent` its
+        version), written under `workdir` (CLL-CLIP: vocabulary and table grown); None trains `source` as is.
+        Runs on the driver before the job; the state it leaves is what the workers load."""
+        return None
+
+    def teacher(self) -> Optional[dict]:
+        """The teacher pinned for the whole stream, `{"version": V}` or `{"source": pretrained}`; None: the parent."""
+        return None
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model the engine trains (adapters added, parameters frozen); also on a resumed worker, whose
@@ -129,13 +146,26 @@ class Stack(Method):
         super().__init__({c.name: c.params for c in components})
         self.name, self.components = name, components
         self.needs_teacher = any(c.needs_teacher for c in components)
+        self.teacher_text = any(c.teacher_text for c in components)
         self.task_end_batches = max([c.task_end_batches for c in components], default=0)
+        self.clip_weight = float(np.prod([c.clip_weight for c in components]))
+        if components:  # an empty stack is fine-tuning: both towers
+            self.trains_towers = tuple(t for t in ("image", "text") if any(t in c.trains_towers for c in components))
 
     def extra_tasks(self, current, history, workdir):
         entries = {}
         for c in self.components:
             entries.update({e["task"]: e for e in c.extra_tasks(current, history, workdir)})
         return list(entries.values())
+
+    def prepare_version(self, source, parent, config, current, history, workdir):
+        grown = None
+        for c in self.components:
+            grown = c.prepare_version(str(grown) if grown else source, parent, config, current, history, workdir) or grown
+        return grown
+
+    def teacher(self):
+        return next((t for t in (c.teacher() for c in self.components) if t), None)
 
     def prepare_model(self, model):
         for c in self.components:

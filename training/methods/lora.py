@@ -86,6 +86,12 @@ def disabled(model: nn.Module):
 def merge(model: nn.Module, coefficient: float) -> nn.Module:
     """W <- W + coefficient·scale·B·A for every adapter, then the adapters are removed: a plain model again, with
     exactly the base model's parameter names and shapes (C-CLIP's merge, coefficient α)."""
+    owners = {id(o): o for o in (_owner(model, name)[0] for name in adapters(model))}
+    for owner in owners.values():
+        # torch made one class per parametrized module, and a deepcopy (an export of the live model) shares it:
+        # removing a parametrization deletes its property from that class, which would break the original too
+        cls = owner.__class__
+        owner.__class__ = type(cls.__name__, cls.__bases__, dict(cls.__dict__))
     with torch.no_grad():
         for name, adapter in adapters(model).items():
             owner, attr = _owner(model, name)

@@ -77,8 +77,11 @@ def test_a_merged_version_is_stock_open_clip_with_only_the_targeted_weights_chan
     method = build(resolve("cclip", ["method.cclip.rank=4"]))
     method.prepare_model(model)
     _randomise(model)
+    live = _features(model, batch)
     plain = method.export_model(model)
     assert lora.adapters(model) and hasattr(model, PROJECTOR)  # the training model is left as it was
+    assert torch.equal(_features(model, batch), live)  # and still runs (every epoch exports it; training goes on)
+    assert torch.allclose(_features(method.export_model(model), batch), _features(plain, batch))
     assert not lora.adapters(plain) and not hasattr(plain, PROJECTOR)
     assert {k: v.shape for k, v in plain.state_dict().items()} == {k: v.shape for k, v in base.state_dict().items()}
     changed = {k for k, v in plain.state_dict().items() if not torch.equal(v, base.state_dict()[k])}

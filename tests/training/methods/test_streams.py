@@ -21,7 +21,7 @@ from clipstream.training.methods import resolve
 # streams of three jobs each: a stream costs ~2.5 minutes on 2 cores, mostly Ray and torch start-up, so they
 # train in the background while the other tests run (tests/streams.py).
 # C-CLIP, which changes which parameters train (adapters on frozen weights, merged at export), trains alone.
-STREAMS = [("mas_lwf", 1), ("ewc_modx_ctp_er", 2), ("cclip", 2)]
+STREAMS = [("mas_lwf", 1), ("ewc_modx_ctp_er", 2), ("cclip", 2)]  # (+ the language stream below)
 
 
 @pytest.mark.slow
@@ -82,3 +82,51 @@ def test_a_three_task_stream_carries_the_method_state(trained_stream, method, st
                 assert changed and all(k.endswith(targets) for k in changed), sorted(changed)[:5]
         else:
             raise AssertionError(f"no checks for method {component!r}")
+
+
+@pytest.mark.slow
+@pytest.mark.stream("teir", 0)
+def test_a_language_stream_grows_the_vocabulary_and_trains_only_the_rows_of_its_language(trained_stream):
+    """English (C-CLIP at ZeRO 0: the teacher), then two synthetic languages with CLL-CLIP + TEIR from the CLI."""
+    settings, languages = trained_stream("teir", 0)
+    registry = Registry(settings)
+    versions = registry.versions()
+    assert [v.tags["method"] for v in versions] == ["cclip", "teir", "teir"]
+    folders = [registry.resolve(v.version).folder for v in versions]
+    weights = [load_file(f / WEIGHTS_FILE) for f in folders]
+    states = [torch.load(f / "method_state.pt", weights_only=False) for f in folders]
+    stock = models.create(resolve("cclip")["model"]["arch"]).model.state_dict()
+    assert {k: v.shape for k, v in weights[0].items()} == {k: v.shape for k, v in stock.items()}  # C-CLIP merged
+
+    # each language appended rows; every other weight is the teacher's, bit for bit
+    sizes = [w["token_embedding.weight"].shape[0] for w in weights]
+    assert sizes[0] == 49408 < sizes[1] < sizes[2]
+    for w in weights[1:]:
+        assert all(torch.equal(w[k], weights[0][k]) for k in w if k not in ("token_embedding.weight", "logit_scale"))
+    state = [s["cllclip"] for s in states[1:]]
+    assert [s["teacher"] for s in state] == [{"version": "1"}] * 2  # pinned: the version the languages began from
+    assert [s["languages"] for s in state] == [["xa"], ["xa", "xb"]] and [s["tokenizer_version"] for s in state] == [1, 2]
+
+    # TEIR: rows with λ = 0 (absent tokens, specials, the earlier language's own) did not move; some with λ > 0 did
+    lam, before, after = state[1]["lam"], weights[1]["token_embedding.weight"], weights[2]["token_embedding.weight"]
+    old = before.shape[0]
+    frozen_rows = (lam[:old] == 0).nonzero().squeeze(1)
+    assert len(frozen_rows) > 49000 and torch.equal(after[frozen_rows], before[frozen_rows])
+    moved = (lam[:old] > 0) & (after[:old] != before).any(1)
+    assert moved.sum() > 0
+    # λ = 1/freq on present tokens, freq counting each task a token appeared in, once
+    present = lam > 0
+    assert torch.allclose(lam[present], 1 / (state[1]["freq"][present] - 1))
+    grown = torch.cat([state[0]["freq"], torch.ones(sizes[2] - sizes[1])])
+    assert torch.equal(state[1]["freq"] - grown, present.float())
+
+    # each version tokenises with its own tokenizer; English (the teacher's) tokenises as the teacher does
+    english = [r["caption_en"] for r in Task.load(languages[2]).check("test").rows]
+    teacher, last = (models.load_exported(f).tokenizer for f in (folders[0], folders[2]))
+    eot = 49407
+    for a, b in zip(teacher(english), last(english)):
+        n = int((a == eot).nonzero()[0]) + 1
+        assert torch.equal(a[:n], b[:n])
+    assert registry.resolve("3").manifest["unchanged_towers"] == ["image"]
+    client = MlflowClient(settings.mlflow_tracking_uri)
+    assert all(max(m.value for m in client.get_metric_history(v.run_id, "loss/cross_lingual")) > 0 for v in versions[1:])
