@@ -175,7 +175,7 @@ def _k8s(args) -> None:
 def _encode(args) -> None:
     with _client(args) as client:
         vectors, version = (client.encode_image(args.image, model_version=args.model_version) if args.image
-                            else client.encode_text(args.text, model_version=args.model_version))
+                            else client.encode_text(args.text, model_version=args.model_version, language=args.language))
     for item, vector in zip(args.image or args.text, vectors):
         print(f"{str(item)[:40]:<40} " + " ".join(f"{v:+.3f}" for v in vector[:8]) + " ...")
     print(f"{len(vectors)} vectors of dimension {vectors.shape[1]} from model version {version}")
@@ -184,7 +184,7 @@ def _encode(args) -> None:
 def _search(args) -> None:
     with _client(args) as client:
         hits = client.search(text=args.query if not args.image else None, image=args.image, task=args.task or "",
-                             k=args.k, model_version=args.model_version)
+                             k=args.k, model_version=args.model_version, language=args.language)
     print(format_hits(hits, args.query if not args.image else args.image, args.task))
 
 
@@ -405,6 +405,7 @@ def parser() -> argparse.ArgumentParser:
     en.add_argument("text", nargs="*")
     en.add_argument("--image", action="append", default=[], help="an image file (repeatable)")
     en.add_argument("--model-version", default="")
+    en.add_argument("--language", default="", help="the text's language (a task's lang): refused by a version not trained on it")
     en.add_argument("--address")
     en.set_defaults(func=_encode)
     se = sub.add_parser("search", help="search the index through the running service")
@@ -413,6 +414,7 @@ def parser() -> argparse.ArgumentParser:
     se.add_argument("--task", help="task-known search in this task; omit for task-unknown")
     se.add_argument("-k", type=int, default=5)
     se.add_argument("--model-version", default="")
+    se.add_argument("--language", default="", help="the text's language (a task's lang): refused by a version not trained on it")
     se.add_argument("--address")
     se.set_defaults(func=_search)
     kube = sub.add_parser("k8s", help="print RayJob manifests for `kubectl apply -f -` (see k8s/README.md)")

@@ -69,9 +69,10 @@ def embed_gallery(version: Version, task: Task, task_index: int, split: str = "t
 
 
 def index_task(settings: Settings, version_ref: str, task_dir: str | Path, policy: Policy = NO_REINDEX,
-               split: str = "test", index_name: Optional[str] = None) -> dict:
+               split: str = "test", index_name: Optional[str] = None, reuse_images: bool = True) -> dict:
     """Index task `task_dir` with version `version_ref` under `policy`; returns the index state.
-    no-reindex appends the task; reindex re-embeds every indexed task and this one under the version."""
+    no-reindex appends the task; reindex re-embeds every indexed task and this one under the version (stored
+    image vectors made by the same image tower are kept unless `reuse_images` is False: for measuring)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     registry = Registry(settings)
@@ -91,8 +92,8 @@ def index_task(settings: Settings, version_ref: str, task_dir: str | Path, polic
             unknown = [n for n in names if n not in lineage]
             if unknown:
                 raise ValueError(f"reindex refused: indexed task(s) {unknown} are not in this version's lineage")
-            state = index.reindex([_regallery(index, version, n, lineage, split, settings.index_ray_min_rows)
-                                   for n in sorted(dict.fromkeys(names), key=lambda n: lineage[n][0])])
+            state = index.reindex([_regallery(index, registry, version, n, lineage, split, settings.index_ray_min_rows,
+                                              reuse_images) for n in sorted(dict.fromkeys(names), key=lambda n: lineage[n][0])])
     return _record(registry, version.version, state, policy)
 
 
@@ -116,7 +117,7 @@ def put_lineage(settings: Settings, version: Version, split: str = "test") -> di
         elif set(state["tasks"]) != set(lineage) or any(t["model_version"] != version.version
                                                         for t in state["tasks"].values()):
             state = _record(registry, version.version,
-                            index.reindex([_regallery(index, version, n, lineage, split, settings.index_ray_min_rows)
+                            index.reindex([_regallery(index, registry, version, n, lineage, split, settings.index_ray_min_rows)
                                            for n in lineage]), REINDEX)
         # Search switches its query encoder here, with the gallery in place (a reindex already pinned it)
         return index.pin(version.version) if state["tasks"] else state
@@ -150,14 +151,18 @@ def _task_of(entry: dict, step: str, advice: str) -> Task:
         raise DataError(f"{step} refused: the raw data of task {entry['task']!r} is gone ({exc}); {advice}") from exc
 
 
-def _regallery(index: VectorIndex, version: Version, name: str, lineage: dict, split: str,
-               ray_min_rows: int = 0) -> TaskVectors:
-    """Task `name` embedded by `version` for a reindex; an unmoved image tower reuses its stored vectors."""
+def _regallery(index: VectorIndex, registry: Registry, version: Version, name: str, lineage: dict, split: str,
+               ray_min_rows: int = 0, reuse_images: bool = True) -> TaskVectors:
+    """Task `name` embedded by `version` for a reindex. Its stored image vectors are kept when the version that
+    made them has this version's image tower (CLL-CLIP trains the text side only): re-embedding would give the
+    same vectors, and images cost most of a gallery's embedding time."""
     task_index, entry = lineage[name]
     task = _task_of(entry, "reindex", "reindexing re-embeds every indexed task, so keep their data or use "
                                       "--policy no-reindex")
-    unchanged = "image" in version.manifest.get("unchanged_towers", []) and name in index.state()["tasks"]
-    return embed_gallery(version, task, task_index, split, stored_images=index.points(name, "image") if unchanged else None,
+    stored = index.state()["tasks"].get(name)
+    same = reuse_images and stored is not None and \
+        registry.resolve(stored["model_version"], download=False).image_tower == version.image_tower
+    return embed_gallery(version, task, task_index, split, stored_images=index.points(name, "image") if same else None,
                          ray_min_rows=ray_min_rows)
 
 

@@ -11,6 +11,7 @@ embed through `ClipBundle.embed_texts` / `embed_images`, and read images through
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 from dataclasses import dataclass
@@ -125,6 +126,13 @@ def load_exported(folder: str | Path) -> ClipBundle:
     model, pre_train, pre_val = open_clip.create_model_and_transforms(f"local-dir:{folder}")
     tokenizer = open_clip.get_tokenizer(f"local-dir:{folder}")
     return ClipBundle(model, pre_train, pre_val, tokenizer, meta.get("arch", folder.name), meta["model_cfg"])
+
+
+def tokenizer_digest(folder: str | Path) -> str:
+    """A short digest naming an exported version's tokenizer: of its Hugging Face tokenizer file (a grown
+    vocabulary), else `clip-bpe` (open_clip's built-in CLIP BPE, the same for every such version)."""
+    path = Path(folder) / "tokenizer.json"
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12] if path.is_file() else "clip-bpe"
 
 
 def export(bundle: ClipBundle, folder: str | Path) -> Path:

@@ -36,6 +36,9 @@ ARTIFACT = "checkpoint"  # the pyfunc artifact that holds the open_clip folder
 PROMOTION_TAGS = ("from_version", "to_version", "reason", "user", "time", "forced", "gates")
 
 
+DEFAULT_LANGUAGE = "en"  # of a task whose task.yaml names no `lang` (the synthetic domains, most caption sets)
+
+
 class RegistryError(LookupError):
     """A model reference that does not resolve, with the reason."""
 
@@ -69,6 +72,21 @@ class Version:
     @property
     def lineage(self) -> list[dict]:
         return self.manifest.get("lineage", [])
+
+    @property
+    def image_tower(self) -> str:
+        """The version whose image tower this one has unchanged (itself unless a method froze that tower):
+        image vectors made by any version with the same `image_tower` are this version's too."""
+        return self.tags.get("image_tower") or self.version
+
+    @property
+    def languages(self) -> list[str]:
+        """The caption languages this version was trained on (a task's `lang`; English where a task names none),
+        from the tag: no download needed."""
+        names = self.tags.get("languages")
+        if names is None:
+            names = ",".join(dict.fromkeys(e.get("lang") or DEFAULT_LANGUAGE for e in self.lineage))
+        return names.split(",") if names else []
 
     @property
     def tasks(self) -> list[str]:
@@ -119,8 +137,12 @@ class Registry:
     def register(self, checkpoint: Path, tags: dict[str, str], alias: str = CANDIDATE) -> str:
         """Log `checkpoint` as the active run's model, register it as the next version, tag it, alias it.
         The lineage's task names also go in a tag, so serving can check its gallery without a download."""
-        lineage = json.loads((Path(checkpoint) / MANIFEST).read_text()).get("lineage", [])
-        tags = {**tags, "lineage_tasks": ",".join(e["task"] for e in lineage)}
+        manifest = json.loads((Path(checkpoint) / MANIFEST).read_text())
+        lineage = manifest.get("lineage", [])
+        tags = {**tags, "lineage_tasks": ",".join(e["task"] for e in lineage),
+                "languages": ",".join(dict.fromkeys(e.get("lang") or DEFAULT_LANGUAGE for e in lineage)),
+                "tokenizer": (manifest.get("tokenizer") or {}).get("sha", ""),
+                "image_tower": manifest.get("image_tower") or ""}
         info = mlflow.pyfunc.log_model(name="model", python_model=str(Path(__file__).with_name("mlflow_model.py")),
                                        artifacts={ARTIFACT: str(checkpoint)}, pip_requirements=["clipstream"])
         version = mlflow.register_model(info.model_uri, self.name, tags={k: str(v) for k, v in tags.items()}).version

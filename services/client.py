@@ -37,10 +37,12 @@ class Client:
         self.metadata = ((API_KEY_HEADER, api_key),) if api_key else None
 
     def encode_text(self, texts: Sequence[str], batch_size: int = 64, model_version: str = "",
-                    progress: Optional[bool] = None) -> tuple[np.ndarray, str]:
-        """(unit vectors [N, D], the version that made them)."""
+                    progress: Optional[bool] = None, language: str = "") -> tuple[np.ndarray, str]:
+        """(unit vectors [N, D], the version that made them); with `language`, refused (FAILED_PRECONDITION) by a
+        version not trained on it."""
         return self._encode(list(texts), batch_size, progress, lambda chunk: self._call(
-            self.encoder.EncodeText, encoder_pb2.EncodeTextRequest(texts=chunk, model_version=model_version)))
+            self.encoder.EncodeText, encoder_pb2.EncodeTextRequest(texts=chunk, model_version=model_version,
+                                                                   language=language)))
 
     def encode_image(self, images: Sequence[str | Path | bytes], batch_size: int = 32, model_version: str = "",
                      progress: Optional[bool] = None) -> tuple[np.ndarray, str]:
@@ -50,14 +52,14 @@ class Client:
 
     def search(self, text: Optional[str] = None, image: Optional[str | Path | bytes] = None,
                vector: Optional[Iterable[float]] = None, *, task: str = "", k: int = 10, target_modality: str = "",
-               model_version: str = "") -> list[dict]:
+               model_version: str = "", language: str = "") -> list[dict]:
         """Hits best first, as dicts: item_id, task, score, modality, model_version, index_generation, caption."""
         if sum(x is not None for x in (text, image, vector)) != 1:
             raise ValueError("give exactly one of text, image or vector")
         query = ({"text": text} if text is not None else {"vector": search_pb2.Vector(values=list(vector))}
                  if vector is not None else {"image": image if isinstance(image, bytes) else Path(image).read_bytes()})
         response = self._call(self.searcher.Search, search_pb2.SearchRequest(
-            task=task, k=k, target_modality=target_modality, model_version=model_version, **query))
+            task=task, k=k, target_modality=target_modality, model_version=model_version, language=language, **query))
         return [{"item_id": h.item_id, "task": h.task, "score": h.score, "modality": h.modality,
                  "model_version": h.model_version, "index_generation": h.index_generation,
                  "caption": h.caption or None, "query_model_version": response.query_model_version}

@@ -47,6 +47,7 @@ class Encoder:
         self.registry = Registry(settings, alias_ttl_s)
         torch.set_num_threads(max(1, int(settings.serve_encoder_cpus)))  # Ray pins 1 thread to a fractional reservation
         self.settings = settings
+        self._languages: dict = {}  # version -> its registry entry (languages, tokenizer), read once
         self.batches_seen: list[int] = []  # sizes of recent batches: shows batching at work (tests, debugging)
         self._encode.set_max_batch_size(settings.serve_batch_size)
         self._encode.set_batch_wait_timeout_s(batch_wait_s)
@@ -60,7 +61,7 @@ class Encoder:
 
     # ---- gRPC methods ----------------------------------------------------------------------------------
     async def EncodeText(self, request: encoder_pb2.EncodeTextRequest, grpc_context=None) -> encoder_pb2.EncodeResponse:
-        return await self._answer(lambda: self._serve("text", list(request.texts), request.model_version),
+        return await self._answer(lambda: self._serve("text", list(request.texts), request.model_version, request.language),
                                   encoder_pb2.EncodeResponse, grpc_context)
 
     async def EncodeImage(self, request: encoder_pb2.EncodeImageRequest, grpc_context=None) -> encoder_pb2.EncodeResponse:
@@ -78,10 +79,12 @@ class Encoder:
 
     # ---- Python methods (through deployment handles) ---------------------------------------------------
 
-    async def encode(self, modality: str, items: list, model_version: str = "") -> tuple[str, np.ndarray]:
+    async def encode(self, modality: str, items: list, model_version: str = "", language: str = "") -> tuple[str, np.ndarray]:
         """The Python entry point (used by Search through a deployment handle): (version, unit vectors)."""
         version = self._version(model_version)
         inputs = self._validate(modality, items)
+        if language and modality == "text":
+            self._check_language(version, language)
         return version, await self._encode((version, modality, inputs))
 
     async def BatchSizes(self, request=None) -> list[int]:
@@ -117,8 +120,8 @@ class Encoder:
             grpc_context.set_details(str(cause))
             return empty()
 
-    async def _serve(self, modality, items, model_version):
-        version, vectors = await self.encode(modality, items, model_version)
+    async def _serve(self, modality, items, model_version, language=""):
+        version, vectors = await self.encode(modality, items, model_version, language)
         return encoder_pb2.EncodeResponse(embeddings=[encoder_pb2.Embedding(values=v) for v in vectors.tolist()],
                                           dim=vectors.shape[1], model_version=version)
 
@@ -127,6 +130,17 @@ class Encoder:
             return self.registry.number(ref)
         except RegistryError as exc:
             raise RequestError(grpc.StatusCode.NOT_FOUND, str(exc)) from exc
+
+    def _check_language(self, version: str, language: str) -> None:
+        """Refuse text in a language `version` was never trained on (its tokenizer has no subwords learnt for it)."""
+        if version not in self._languages:  # a version's tags never change
+            self._languages[version] = self.registry.resolve(version, download=False)
+        known = self._languages[version]
+        if language not in known.languages:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"model version {version} was not trained on language {language!r} (it knows "
+                               f"{', '.join(known.languages) or 'none'}; tokenizer {known.tags.get('tokenizer') or 'clip-bpe'}): "
+                               "ask a version that learnt it, or leave `language` empty to encode the text anyway")
 
     def _validate(self, modality: str, items: list) -> list:
         if not items:

@@ -60,7 +60,8 @@ class Search:
                 vector = np.asarray(request.vector.values, dtype=np.float32)
             else:
                 item = request.text if kind == "text" else request.image
-                version, vectors = await self.encoder.encode.remote(kind, [item], request.model_version or pinned[1] or "")
+                version, vectors = await self.encoder.encode.remote(kind, [item], request.model_version or pinned[1] or "",
+                                                                 request.language)
                 vector = vectors[0]
             try:
                 hits = self.index.search(vector, target, request.task or None, k)

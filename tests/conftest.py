@@ -124,9 +124,9 @@ def trained_stream(request):
 
 
 def register_version(settings, seed: int, alias: str | None = None, task_dirs=(), aa: float = 50.0,
-                     forgetting: float = 0.0, parent: str = "") -> str:
-    """Register a version made without training: a real tiny open_clip model (weights from `seed`) whose
-    lineage is `task_dirs`, with the given run metrics, really registered in MLflow."""
+                     forgetting: float = 0.0, parent: str = "", model=None) -> str:
+    """Register a version made without training: a real tiny open_clip model (weights from `seed`, or the
+    exported folder `model`) whose lineage is `task_dirs`, with the given run metrics, really registered in MLflow."""
     import json
 
     import mlflow
@@ -138,9 +138,10 @@ def register_version(settings, seed: int, alias: str | None = None, task_dirs=()
 
     torch.manual_seed(seed)
     tasks = [Task.load(d) for d in task_dirs]
-    lineage = [{"task": t.name, "path": str(t.root), "data_sha": "sha-" + t.name} for t in tasks]
+    lineage = [{"task": t.name, "path": str(t.root), "data_sha": "sha-" + t.name,
+                **({"lang": t.meta["lang"]} if t.meta.get("lang") else {})} for t in tasks]
     folder = settings.home / f"export-{seed}" / "checkpoint"
-    models.export(models.create("clipstream-vit-tiny"), folder)
+    models.export(models.load_exported(model) if model else models.create("clipstream-vit-tiny"), folder)
     torch.save({}, folder / "method_state.pt")
     (folder / MANIFEST).write_text(json.dumps({"lineage": lineage, "matrix": {}}))
     tags = {"task": tasks[-1].name if tasks else f"t{seed}", "task_index": str(max(len(tasks) - 1, 0)),

@@ -163,7 +163,8 @@ def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optio
     stack = methods.build(config)
     if parent_v:  # e.g. ER's buffer: the driver reads it to build the training data
         stack.load_state_dict(torch.load(parent_v.folder / METHOD_STATE_FILE, weights_only=False))
-    current = {"task": task.name, "path": str(task.root), "data_sha": task.data_sha()}
+    current = {"task": task.name, "path": str(task.root), "data_sha": task.data_sha(),
+               **({"lang": str(task.meta["lang"])} if task.meta.get("lang") else {})}
     held_out = _zero_shot_entries(zero_shot, parent_v, [*(parent_v.lineage if parent_v else []), current])
     plan = Plan(config, stack, task, parent_v, current, [], 0, [], workers,
                 Path(tempfile.mkdtemp(prefix="clipstream-job-")), zero_shot=held_out)
@@ -333,7 +334,9 @@ def register(registry: Registry, plan: Plan, trained: Path, result: Evaluation) 
         "matrix": {"known": result.known.to_dict(), "unknown": result.unknown.to_dict()},
         "config": plan.config, "parent_version": plan.tags["parent_version"],
         "zero_shot": {"tasks": plan.zero_shot, "Rm": result.zero_shot} if plan.zero_shot else None,
-        "unchanged_towers": [t for t in ("image", "text") if plan.parent and t not in plan.method.trains_towers]},
+        "tokenizer": {"sha": models.tokenizer_digest(trained), "vocab_size": _vocab_size(trained)},
+        "unchanged_towers": [t for t in ("image", "text") if plan.parent and t not in plan.method.trains_towers],
+        "image_tower": plan.parent.image_tower if plan.parent and "image" not in plan.method.trains_towers else None},
         indent=2))
     version = registry.register(trained, plan.tags)
     for alias in plan.aliases:
@@ -350,6 +353,10 @@ def init_ray(settings: Settings, num_cpus: Optional[int] = None) -> None:
         ray.init(address=settings.ray_address, log_to_driver=True)
     else:
         ray.init(num_cpus=num_cpus or os.cpu_count(), log_to_driver=True, configure_logging=False)
+
+
+def _vocab_size(folder: Path) -> int:
+    return int(json.loads((folder / models.CONFIG_FILE).read_text())["model_cfg"]["text_cfg"]["vocab_size"])
 
 
 def _tokenizer_spec(source: Optional[str], arch: str) -> str:

@@ -18,3 +18,12 @@ def test_index_policy_report_has_each_policy_per_task_and_their_mean(tmp_path):
     assert "| no-reindex | mean | 21.0 | 21.0 | 21.0 | 21.0 |" in text  # (20 + 21 + 22) / 3
     unknown = text.split("## Task-unknown")[1]
     assert "| no-reindex | mean | 31.0 |" in unknown and "| reindex | t2 | 42.0 |" in unknown
+
+
+def test_the_cost_table_shows_what_keeping_image_vectors_saved_on_a_language_stream(tmp_path):
+    results = {"reindex": {m: {t: {c: 1.0 for c in bench.COLUMNS} for t in TASKS} for m in ("known", "unknown")}}
+    costs = [("t0", "finetune", {"no-reindex": 1.0, "reindex": 1.0, "full": 1.0}),
+             ("t1", "teir", {"no-reindex": 1.0, "reindex": 2.0, "full": 5.0})]
+    text = bench.index_policy_report(results, TASKS, 3, 0, "teir", [], tmp_path / "ip.md", costs, languages=3)
+    assert "`clipstream bench index-policy --languages 3 --seed 0 --method teir --out" in text
+    assert "| t1 | teir | 1.0 | 2.0 | 5.0 | 3.0 (60%) |" in text

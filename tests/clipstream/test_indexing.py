@@ -125,7 +125,7 @@ def test_indexing_a_task_the_version_never_saw_is_refused(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_reindex_reuses_stored_image_vectors_when_the_image_tower_did_not_change(trained, tmp_path):
+def test_reindex_reuses_stored_image_vectors_only_when_they_come_from_the_same_image_tower(trained, tmp_path):
     from dataclasses import replace
 
     from clipstream.indexing import _regallery
@@ -133,16 +133,22 @@ def test_reindex_reuses_stored_image_vectors_when_the_image_tower_did_not_change
     settings, dirs = trained
     settings = _backend(settings, "edge", tmp_path)
     index_task(settings, "1", dirs[0], "no-reindex")
-    v3 = Registry(settings).resolve("3")
-    assert v3.manifest["unchanged_towers"] == []  # EWC, Mod-X and CTP train both towers
-    frozen = replace(v3, manifest={**v3.manifest, "unchanged_towers": ["image"]})
+    registry = Registry(settings)
+    v3 = registry.resolve("3")
+    assert v3.manifest["unchanged_towers"] == [] and v3.image_tower == "3"  # EWC, Mod-X and CTP train both towers
+    # a version that kept version 1's image tower (as CLL-CLIP versions keep their parent's), and one that kept
+    # version 2's: the stored vectors (made by version 1) are the first's, not the second's
+    same, other = (replace(v3, tags={**v3.tags, "image_tower": t}) for t in ("1", "2"))
     lineage = {e["task"]: (i, e) for i, e in enumerate(v3.lineage)}
     with open_index(settings) as index:
         stored = index.points("task-00-household", "image")
-        reused = _regallery(index, frozen, "task-00-household", lineage, "test", settings.index_ray_min_rows)
-        fresh = _regallery(index, v3, "task-00-household", lineage, "test", settings.index_ray_min_rows)
+        reused = _regallery(index, registry, same, "task-00-household", lineage, "test", settings.index_ray_min_rows)
+        fresh = _regallery(index, registry, other, "task-00-household", lineage, "test", settings.index_ray_min_rows)
+        measured = _regallery(index, registry, same, "task-00-household", lineage, "test", settings.index_ray_min_rows,
+                              reuse_images=False)
     assert [reused.image[i].tobytes() for i in range(len(reused.item_ids))] == [stored[i][0] for i in reused.item_ids]
-    assert not (fresh.image == reused.image).all()  # version 3's own image tower would embed differently
+    assert not (fresh.image == reused.image).all()  # version 3's own image tower embeds differently
+    assert (fresh.image == measured.image).all()
     assert (fresh.text == reused.text).all()  # text is always re-embedded by the new version
 
 

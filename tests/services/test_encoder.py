@@ -116,3 +116,37 @@ def test_moving_the_production_alias_swaps_the_model_without_a_restart(served):
         assert response.model_version == v2
     finally:  # and back: later tests expect v1
         set_production(settings, stub, v1)
+
+
+def test_each_version_encodes_with_its_own_tokenizer_and_refuses_a_language_it_never_learnt(served, tmp_path):
+    """A CLL-CLIP version (vocabulary grown for language xa) answers xa queries with its grown tokenizer; the
+    English version it grew from refuses them when the caller names the language."""
+    from clipstream.training.data.synth import synthesize_languages
+    from clipstream.training.data.task import Task
+    from clipstream.training.methods import build, resolve
+    from tests.conftest import register_version
+
+    settings, _, stub, _ = served
+    en, xa = synthesize_languages(tmp_path / "data", 2, seed=1, train_pairs=40, test_per_task=2, progress=False)
+    english = register_version(settings, seed=7, task_dirs=[en])
+    config = resolve("teir")
+    method = build(config)
+    grown = method.prepare_version(str(Registry(settings).resolve(english).folder), english, config,
+                                   {"task": xa.name, "path": str(xa)}, [{"task": en.name, "path": str(en)}], tmp_path)
+    learnt = register_version(settings, seed=8, task_dirs=[en, xa], model=grown, parent=english)
+    assert Registry(settings).resolve(learnt, download=False).languages == ["en", "xa"]
+
+    texts = [r["caption"] for r in Task.load(xa).check("train").rows[:3]]
+    response = stub.EncodeText(encoder_pb2.EncodeTextRequest(texts=texts, model_version=learnt, language="xa"))
+    local = Registry(settings).load(learnt)
+    assert local.tokenizer(texts).max() > 49407  # the grown subwords: the English tokenizer has none of them
+    with torch.no_grad():
+        expected = local.model.encode_text(local.tokenizer(texts), normalize=True).numpy()
+    assert response.model_version == learnt and np.allclose(_vectors(response), expected, atol=1e-5)
+
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.EncodeText(encoder_pb2.EncodeTextRequest(texts=texts, model_version=english, language="xa"))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"model version {english} was not trained on language 'xa' (it knows en" in refused.value.details()
+    # without a language the old version still answers: byte-level BPE has no unknown token (documented)
+    assert stub.EncodeText(encoder_pb2.EncodeTextRequest(texts=texts, model_version=english)).model_version == english

@@ -46,6 +46,7 @@ def test_vector_query_needs_a_target(indexed):
     ({"text": "a cup", "k": 5000}, grpc.StatusCode.INVALID_ARGUMENT, "k must be in [1, 1000]"),
     ({"image": b"garbage"}, grpc.StatusCode.INVALID_ARGUMENT, "not a decodable image"),
     ({"text": "a cup", "model_version": "42"}, grpc.StatusCode.NOT_FOUND, "42: no such model version"),
+    ({"text": "qé hë", "language": "xa"}, grpc.StatusCode.FAILED_PRECONDITION, "was not trained on language 'xa'"),
     ({"vector": search_pb2.Vector(values=[1.0, 0.0]), "target_modality": "image"}, grpc.StatusCode.INVALID_ARGUMENT, "dimension 2"),
 ])
 def test_bad_searches_get_the_right_status(indexed, request_args, code, words):

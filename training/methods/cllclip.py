@@ -25,7 +25,6 @@ is small) and says so before anything starts.
 from __future__ import annotations
 
 import copy
-import hashlib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -155,8 +154,3 @@ def _export_grown(bundle: models.ClipBundle, tokenizer, weight: torch.Tensor, fo
     grown = models.ClipBundle(model, bundle.preprocess_train, bundle.preprocess_val, tokenizer, bundle.arch, cfg)
     return models.export(grown, folder)
 
-
-def tokenizer_sha(folder: Path) -> str:
-    """A short digest of a version's tokenizer (the HF tokenizer file, or none: open_clip's built-in CLIP BPE)."""
-    path = Path(folder) / "tokenizer.json"
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:12] if path.is_file() else "clip-bpe"
