@@ -5,6 +5,7 @@ Every figure is measured side by side against its baseline in the same run."""
 # `clipstream bench NAME` -> the module that runs it (imported only when asked: they pull in Ray, DeepSpeed...)
 BENCHMARKS = {
     "methods": "continual_methods",  # every continual method on one stream: AA, forgetting, BWT, step cost
+    "languages": "languages",  # CLL-CLIP and TEIR on a language stream against fine-tuned token embeddings
     "index-policy": "index_policy",  # no-reindex vs reindex through the vector index
     "method-step": "method_step",  # each method's training step against finetune's, same batches
     "train-throughput": "train_throughput",  # the task job against a plain PyTorch open_clip loop

@@ -56,7 +56,7 @@ def second_task(name: str, task: Task, data: list[dict], batch: int):
     torch.manual_seed(0)
     model = prepare_for_deepspeed(models.create(config["model"]["arch"]).model)
     method = methods.build(config)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, train["weight_decay"]),
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, train["weight_decay"], train["lr"], method.lr_scale),
                                       config=deepspeed_config(train, 1, 10**6))
     current = {"task": task.name, "path": str(task.root)}
     first = TaskContext(model=engine.module, task_index=0, rank=0, world_size=1, device=engine.device, current=current)

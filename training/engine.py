@@ -60,7 +60,7 @@ def deepspeed_config(train: dict, world_size: int, total_steps: int) -> dict:
         },
         "scheduler": {
             "type": "WarmupCosineLR",
-            "params": {"total_num_steps": max(total_steps, 1), "warmup_num_steps": min(train["warmup_steps"], max(total_steps - 1, 0)),
+            "params": {"total_num_steps": max(total_steps, 1), "warmup_num_steps": max(1, min(train["warmup_steps"], total_steps - 1)),
                        "warmup_type": "linear", "cos_min_ratio": train["min_lr_ratio"]},
         },
         "gradient_clipping": train["grad_clip"],
@@ -71,15 +71,21 @@ def deepspeed_config(train: dict, world_size: int, total_steps: int) -> dict:
     }
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """open_clip's split: no decay on gains, biases, embeddings and the logit scale."""
-    decay, no_decay = [], []
+def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None = None, lr_scale=None) -> list[dict]:
+    """open_clip's split: no decay on gains, biases, embeddings and the logit scale. `lr_scale(name)` (a method's:
+    C-CLIP's text learning rate is a multiple of the image one) puts a parameter whose scale is not 1 in a group
+    with its own rate, lr × scale, which DeepSpeed's schedule then warms up and decays like the others."""
+    groups: dict[tuple[bool, float], dict] = {(False, 1.0): {"params": [], "weight_decay": 0.0},
+                                              (True, 1.0): {"params": [], "weight_decay": weight_decay}}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         exclude = param.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name or "embedding" in name
-        (no_decay if exclude else decay).append(param)
-    return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
+        scale = float(lr_scale(name)) if lr_scale else 1.0
+        if (not exclude, scale) not in groups:
+            groups[(not exclude, scale)] = {"params": [], "weight_decay": 0.0 if exclude else weight_decay, "lr": lr * scale}
+        groups[(not exclude, scale)]["params"].append(param)
+    return list(groups.values())
 
 
 def train_step(engine, method, task_ctx: TaskContext, batch: dict) -> tuple[torch.Tensor, dict]:
@@ -115,8 +121,8 @@ def train_loop(config: dict) -> None:
 
     steps_per_epoch = config["steps_per_epoch"]
     total = steps_per_epoch * train["epochs"] // train["grad_accum"]
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, train["weight_decay"]),
-                                      config=deepspeed_config(train, world, total))
+    groups = param_groups(model, train["weight_decay"], train["lr"], method.lr_scale)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=deepspeed_config(train, world, total))
     teacher = None
     if method.needs_teacher and config.get("teacher_source"):  # θ(t-1) as registered (or pinned): also after a resume
         teacher = prepare_for_deepspeed(models.create(config["model"]["arch"], config["teacher_source"]).model)

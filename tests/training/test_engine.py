@@ -29,6 +29,8 @@ def test_deepspeed_config_follows_the_preset():
 def test_warmup_never_exceeds_the_task_and_bad_precision_is_refused():
     train = resolve("finetune", ["train.warmup_steps=50"])["train"]
     assert deepspeed_config(train, 1, total_steps=10)["scheduler"]["params"]["warmup_num_steps"] == 9
+    no_warmup = {**train, "warmup_steps": 0}  # DeepSpeed refuses 0 warmup steps; one step is the least it takes
+    assert deepspeed_config(no_warmup, 1, total_steps=1)["scheduler"]["params"]["warmup_num_steps"] == 1
     with pytest.raises(ValueError, match="precision must be"):
         deepspeed_config({**train, "precision": "fp8"}, 1, 10)
 

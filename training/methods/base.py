@@ -95,6 +95,10 @@ class Method:
         """The teacher pinned for the whole stream, `{"version": V}` or `{"source": pretrained}`; None: the parent."""
         return None
 
+    def lr_scale(self, name: str) -> float:
+        """The multiple of the preset's learning rate that parameter `name` trains at."""
+        return 1.0
+
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model the engine trains (adapters added, parameters frozen); also on a resumed worker, whose
         checkpoint then fills what this added."""
@@ -166,6 +170,9 @@ class Stack(Method):
 
     def teacher(self):
         return next((t for t in (c.teacher() for c in self.components) if t), None)
+
+    def lr_scale(self, name):
+        return float(np.prod([c.lr_scale(name) for c in self.components]))
 
     def prepare_model(self, model):
         for c in self.components:

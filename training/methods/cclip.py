@@ -36,6 +36,11 @@ class CClip(Method):
         setattr(model, PROJECTOR, projector.to(next(model.parameters()).device))
         return model
 
+    def lr_scale(self, name: str) -> float:
+        """The text tower's rate is `text_lr_scale` × the image one (the paper: 10, 80 on COCO)."""
+        text = not name.startswith(("visual.", PROJECTOR)) and name != "logit_scale"
+        return float(self.params["text_lr_scale"]) if text else 1.0
+
     def loss_terms(self, ctx, batch, feats):
         model = ctx.model
         with torch.no_grad(), lora.disabled(model):  # θ(t-1) exactly: the base weights, adapters off

@@ -153,3 +153,39 @@ def test_ckc_is_infonce_on_the_stacked_items_twice_and_ignores_batch_order():
     s = scale.item()
     row = -torch.log(torch.exp(torch.tensor(s)) / (torch.exp(torch.tensor(s)) + 1))  # own: cos 1; other: cos 0
     assert torch.allclose(ckc_loss([a, b], [a, b], scale), 2 * row)
+
+
+def _rates(rank, world):
+    """{parameter name: its learning rate} in a real DeepSpeed engine after two scheduler steps, for C-CLIP at
+    text_lr_scale 10."""
+    import os
+
+    import deepspeed
+
+    from clipstream.training.engine import deepspeed_config, param_groups
+
+    # the gloo group is up already; these tell DeepSpeed so (else it looks for MPI)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)})
+    config = resolve("cclip", ["method.cclip.text_lr_scale=10", "train.lr=0.001", "train.warmup_steps=0"])
+    method = build(config)
+    model = method.prepare_model(prepare_for_deepspeed(models.create("clipstream-vit-tiny").model))
+    groups = param_groups(model, config["train"]["weight_decay"], config["train"]["lr"], method.lr_scale)
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, model_parameters=groups,
+                                                           config=deepspeed_config(config["train"], 1, 100))
+    scheduler.step()
+    scheduler.step()
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: float(g["lr"]) for g in optimizer.param_groups for p in g["params"]}
+
+
+def test_the_text_tower_trains_at_text_lr_scale_times_the_rate_through_deepspeeds_schedule():
+    from tests.conftest import on_gloo
+
+    rates = on_gloo(_rates, world=1)[0]
+    text = [n for n in rates if n.startswith("transformer.")]
+    image = [n for n in rates if n.startswith("visual.")]
+    assert text and image
+    lr = rates[image[0]]
+    assert 0 < lr < 0.001  # the cosine schedule moved every group
+    assert all(rates[n] == pytest.approx(10 * lr) for n in text) and all(rates[n] == pytest.approx(lr) for n in image)
+    assert rates["cclip_projector.weight"] == pytest.approx(lr)
