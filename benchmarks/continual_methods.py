@@ -20,6 +20,7 @@ from clipstream.registry import Registry
 from clipstream.settings import Settings
 from clipstream.training.data.synth import held_out_task, synthesize
 from clipstream.training.job import run_task
+from clipstream.training.methods import build
 from clipstream.training.methods.config import load_presets, method_presets, resolve
 
 
@@ -96,10 +97,13 @@ def methods(settings: Settings, tasks: int = 3, seed: int = 0, names: Sequence[s
     for m, method in enumerate(names, 1):
         run_settings = settings.model_copy(update={"stream": f"bench-methods-{method}-s{seed}-{stamp}"})
         registry, parent, steps, seconds, result, sd = Registry(run_settings), None, [], 0.0, None, []
+        # CLL-CLIP teaches a trained CLIP: its stream's first task is trained with finetune
+        first = "finetune" if build(resolve(method, train_sets)).needs_trained_start else method
         for t, folder in enumerate(dirs, 1):
-            print(f"== method {m}/{len(names)} {method}: task {t}/{len(dirs)} {folder.name} "
+            trainer = first if t == 1 else method
+            print(f"== method {m}/{len(names)} {method}: task {t}/{len(dirs)} {folder.name} with {trainer} "
                   f"(parent {parent or 'none'})", flush=True)
-            result = run_task(folder, method, parent, workers, train_sets, run_settings,
+            result = run_task(folder, trainer, parent, workers, train_sets, run_settings,
                               zero_shot=zero_shot if t == 1 else ())  # the later versions inherit it
             parent, seconds = result.version, seconds + result.seconds
             metrics = registry.run_metrics(result.run_id)
@@ -119,7 +123,9 @@ def methods(settings: Settings, tasks: int = 3, seed: int = 0, names: Sequence[s
                f"--workers {workers}{sets} --out {out}")
     return methods_report(results, Path(out), command, report.device(f"{workers} Ray Train workers"),
                           f"{tasks} synthetic domain tasks + the digits task (seed {seed}); zero-shot: the held-out "
-                          f"domain task {zero_shot[0].name}")
+                          f"domain task {zero_shot[0].name}" + "".join(
+                              f"; {n} trains the first task with finetune (it teaches a trained CLIP)" for n in names
+                              if build(resolve(n, train_sets)).needs_trained_start))
 
 
 def methods_report(results: dict[str, dict], out: Path, command: str, device: str, stream: str = "") -> str:

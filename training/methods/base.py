@@ -75,6 +75,7 @@ class Method:
     task_end_batches = 0   # how many of the last epoch's batches `after_task` receives
     trains_towers = ("image", "text")  # a tower left out is recorded unchanged, so indexing can reuse its vectors
     clip_weight = 1.0      # the engine's CLIP loss is scaled by it
+    needs_trained_start = False  # True: refuses to start from random weights (teaches a trained CLIP something new)
     teacher_text = False   # batches then carry `text_en`: the English caption (else the caption) in the teacher's tokens
 
     def __init__(self, params: dict):
@@ -151,6 +152,7 @@ class Stack(Method):
         self.name, self.components = name, components
         self.needs_teacher = any(c.needs_teacher for c in components)
         self.teacher_text = any(c.teacher_text for c in components)
+        self.needs_trained_start = any(c.needs_trained_start for c in components)
         self.task_end_batches = max([c.task_end_batches for c in components], default=0)
         self.clip_weight = float(np.prod([c.clip_weight for c in components]))
         if components:  # an empty stack is fine-tuning: both towers

@@ -44,6 +44,7 @@ class CllClip(Method):
     name = "cllclip"
     needs_teacher = True
     teacher_text = True  # batches carry `text_en`: the English caption in the teacher's tokens
+    needs_trained_start = True
     trains_towers = ("text",)
 
     def __init__(self, params: dict):

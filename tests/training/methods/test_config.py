@@ -25,7 +25,8 @@ CUSTOM = {
 
 
 SHIPPED = {"finetune": [], "joint": ["joint"], "ewc": ["ewc"], "mas": ["mas"], "lwf": ["lwf"], "er": ["er"],
-           "modx": ["modx"], "ctp": ["ctp"], "ctp_er": ["ctp", "er"], "cclip": ["cclip"]}
+           "modx": ["modx"], "ctp": ["ctp"], "ctp_er": ["ctp", "er"], "cclip": ["cclip"], "cllclip": ["cllclip"],
+           "teir": ["cllclip"]}
 
 
 def test_shipped_presets_resolve_with_all_base_keys_and_build_their_methods():
