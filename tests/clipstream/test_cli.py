@@ -59,6 +59,9 @@ def test_data_synth_bad_language_count_exits_2_with_one_line(tmp_path, capsys):
     (["train", "--task", "{task}", "--set", "justtext"], "must look like key.sub=value"),
     (["train", "--task", "{task}", "--workers", "0"], "workers must be >= 1"),
     (["train", "--task", "{task}", "--parent", "7"], "7: no such model version"),
+    (["train", "--task", "{task}", "--method", "teir"], "teir teaches a trained CLIP new languages: start it from"),
+    (["train", "--task", "{task}", "--method", "teir", "--set", "train.zero_stage=2"],
+     "use --set train.zero_stage=0 train.precision=fp32 (got zero_stage=2, precision=fp32)"),
     (["eval", "--version", "candidate"], "candidate: no such model version"),
     (["data", "synth", "--out", "{task}", "--tasks", "1"], "{task}"),
 ])

@@ -58,11 +58,11 @@ class CllClip(Method):
                         history: list[dict], workdir: Path) -> Optional[Path]:
         train = config["train"]
         if train["zero_stage"] != 0 or train["precision"] != "fp32":
-            raise ValueError(f"{self.name} scales rows of the fp32 token-embedding table after each step, which "
+            raise ValueError(f"{config.get('preset', self.name)} scales rows of the fp32 token-embedding table after each step, which "
                              f"ZeRO 1/2 and mixed precision overwrite: use --set train.zero_stage=0 "
                              f"train.precision=fp32 (got zero_stage={train['zero_stage']}, precision={train['precision']})")
         if source is None:
-            raise ValueError(f"{self.name} teaches a trained CLIP new languages: start it from a registered version "
+            raise ValueError(f"{config.get('preset', self.name)} teaches a trained CLIP new languages: start it from a registered version "
                              "(--parent) or a pretrained model (model.pretrained), not from random weights")
         p = self.params
         bundle = models.create(config["model"]["arch"], source)

@@ -128,5 +128,10 @@ def test_a_language_stream_grows_the_vocabulary_and_trains_only_the_rows_of_its_
         n = int((a == eot).nonzero()[0]) + 1
         assert torch.equal(a[:n], b[:n])
     assert registry.resolve("3").manifest["unchanged_towers"] == ["image"]
+    # the registered version names its tokenizer and languages, and keeps the teacher's image tower
+    assert [v.tags["tokenizer"] == "clip-bpe" for v in versions] == [True, False, False]
+    assert versions[1].tags["tokenizer"] != versions[2].tags["tokenizer"]
+    assert [v.languages for v in versions] == [["en"], ["en", "xa"], ["en", "xa", "xb"]]
+    assert [v.image_tower for v in versions] == ["1", "1", "1"]
     client = MlflowClient(settings.mlflow_tracking_uri)
     assert all(max(m.value for m in client.get_metric_history(v.run_id, "loss/cross_lingual")) > 0 for v in versions[1:])
