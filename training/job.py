@@ -239,10 +239,16 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
     mlflow.log_dict(config, "config.json")
     mlflow.log_metric("data/skipped_rows", len(plan.skipped))
     bundle = models.create(config["model"]["arch"], plan.model_source)
+    # what the workers and Ray Data's tasks read goes where Ray Train's checkpoints go: storage every node shares
+    # (on Kubernetes the runs volume; HOME, where versions are downloaded, is each pod's own)
+    shared = settings.runs_dir / "inputs" / run_id
+    model_source, teacher_source, state_path = (_share(p, shared / name) for p, name in
+                                                ((plan.model_source, "model"), (plan.teacher_source, "teacher"),
+                                                 (plan.state_path, METHOD_STATE_FILE)))
     init_ray(settings)
     deterministic = train["deterministic"]
-    teacher_tokens = _tokenizer_spec(plan.teacher_source, bundle.arch) if plan.method.teacher_text else None
-    dataset = training_dataset(plan.sources, bundle.model.visual.preprocess_cfg, _tokenizer_spec(plan.model_source, bundle.arch),
+    teacher_tokens = _tokenizer_spec(teacher_source, bundle.arch) if plan.method.teacher_text else None
+    dataset = training_dataset(plan.sources, bundle.model.visual.preprocess_cfg, _tokenizer_spec(model_source, bundle.arch),
                                seed=train["seed"] if deterministic else None, cpus=train["data_cpus"],
                                teacher_tokenizer=teacher_tokens)
     ingest = DataConfig.default_ingest_options()
@@ -250,11 +256,10 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
     gpus = plan.gpus_per_worker if plan.gpus_per_worker is not None else float(torch.cuda.is_available())
     trainer = TorchTrainer(
         launch.train_loop,
-        train_loop_config={**config, "model_source": plan.model_source, "task_index": plan.task_index,
+        train_loop_config={**config, "model_source": model_source, "task_index": plan.task_index,
                            "steps_per_epoch": plan.steps_per_epoch, "fail_once": os.environ.get("CLIPSTREAM_FAIL_ONCE"),
                            "threads_per_worker": max(1, int(ray.available_resources().get("CPU", 1)) // plan.workers),
-                           "method_state": str(plan.state_path) if plan.state_path else None,
-                           "teacher_source": plan.teacher_source,
+                           "method_state": state_path, "teacher_source": teacher_source,
                            "current": plan.current, "tracking": {"uri": settings.mlflow_tracking_uri, "run_id": run_id}},
         # SPREAD: one worker per node where there are several (a RayJob has one worker pod per worker), where
         # PACK would put two CPU workers on one pod's cores and leave the other pod idle
@@ -271,6 +276,8 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
         cause = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise TrainingFailed(f"task {plan.task.name!r}: training failed after train.max_failures="
                              f"{train['max_failures']} restarts ({cause}); no version was registered") from exc
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
     mlflow.log_metrics({f"train/{k}": v for k, v in result.metrics.items() if k in ("samples_per_s", "step_ms", "start_epoch", "step")})
     staged = plan.workdir / "checkpoint"  # the registered artifact's folder
     with result.checkpoint.as_directory() as folder:
@@ -353,6 +360,19 @@ def init_ray(settings: Settings, num_cpus: Optional[int] = None) -> None:
         ray.init(address=settings.ray_address, log_to_driver=True)
     else:
         ray.init(num_cpus=num_cpus or os.cpu_count(), log_to_driver=True, configure_logging=False)
+
+
+def _share(path, dest: Path) -> Optional[str]:
+    """`path` (a model folder or file) copied to `dest`, or as it is when it names no local file (a pretrained
+    tag, None)."""
+    if not path or not Path(path).exists():
+        return path
+    if Path(path).is_dir():
+        shutil.copytree(path, dest, dirs_exist_ok=True)
+    else:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, dest)
+    return str(dest)
 
 
 def _vocab_size(folder: Path) -> int:
