@@ -43,6 +43,10 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--tasks", type=int, default=3, help="domain tasks; the digits task is added last (default 3)")
     p.add_argument("--methods", default=",".join(method_presets()),
                    help="comma-separated method presets, one stream each (default: every preset)")
+    p.add_argument("--start-with", default="", metavar="PRESET",
+                   help="train every stream's first task with this preset (a trained CLIP for the others to adapt, "
+                        "as a pretrained checkpoint would be); default: each method itself, except those that need "
+                        "a trained start (CLL-CLIP), which start with finetune")
     p.add_argument("--out", default=str(report.RESULTS / "methods.md"), help="the markdown; the plot goes next to it (.png)")
     add_training_arguments(p)
     return p
@@ -50,7 +54,8 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     args = parser(prog).parse_args(argv)
-    text = methods(Settings(), args.tasks, args.seed, args.methods.split(","), args.workers, args.set, Path(args.out))
+    text = methods(Settings(), args.tasks, args.seed, args.methods.split(","), args.workers, args.set, Path(args.out),
+                   args.start_with)
     print(text)
     return text
 
@@ -79,12 +84,14 @@ def check_methods(names: Sequence[str], overrides: Iterable[str] = ()) -> list[s
 
 
 def methods(settings: Settings, tasks: int = 3, seed: int = 0, names: Sequence[str] = (), workers: int = 2,
-            overrides: Iterable[str] = (), out: Path = Path("benchmarks/results/methods.md")) -> str:
+            overrides: Iterable[str] = (), out: Path = Path("benchmarks/results/methods.md"), start_with: str = "") -> str:
     """Train the same synthetic stream (`tasks` domain tasks + digits) once per method, each in its own
     stream (MLflow experiment and registered model); write the comparison to `out` and its plot next to it."""
     overrides = list(overrides)
     train_sets = [*seeded(seed), *overrides]
     names = check_methods(names or method_presets(), train_sets)
+    if start_with:
+        check_methods([start_with], train_sets)
     if tasks < 1:
         raise ValueError(f"tasks must be >= 1, got {tasks}")
     if workers < 1:
@@ -98,7 +105,7 @@ def methods(settings: Settings, tasks: int = 3, seed: int = 0, names: Sequence[s
         run_settings = settings.model_copy(update={"stream": f"bench-methods-{method}-s{seed}-{stamp}"})
         registry, parent, steps, seconds, result, sd = Registry(run_settings), None, [], 0.0, None, []
         # CLL-CLIP teaches a trained CLIP: its stream's first task is trained with finetune
-        first = "finetune" if build(resolve(method, train_sets)).needs_trained_start else method
+        first = start_with or ("finetune" if build(resolve(method, train_sets)).needs_trained_start else method)
         for t, folder in enumerate(dirs, 1):
             trainer = first if t == 1 else method
             print(f"== method {m}/{len(names)} {method}: task {t}/{len(dirs)} {folder.name} with {trainer} "
@@ -120,12 +127,13 @@ def methods(settings: Settings, tasks: int = 3, seed: int = 0, names: Sequence[s
               f"{seconds / 60:.1f} min", flush=True)
     sets = "".join(f" --set {o}" for o in overrides)
     command = (f"clipstream bench methods --tasks {tasks} --seed {seed} --methods {','.join(names)} "
-               f"--workers {workers}{sets} --out {out}")
+               f"--workers {workers}{sets}{f' --start-with {start_with}' if start_with else ''} --out {out}")
     return methods_report(results, Path(out), command, report.device(f"{workers} Ray Train workers"),
                           f"{tasks} synthetic domain tasks + the digits task (seed {seed}); zero-shot: the held-out "
-                          f"domain task {zero_shot[0].name}" + "".join(
-                              f"; {n} trains the first task with finetune (it teaches a trained CLIP)" for n in names
-                              if build(resolve(n, train_sets)).needs_trained_start))
+                          f"domain task {zero_shot[0].name}" + (
+                              f"; every stream trains its first task with {start_with}" if start_with else "".join(
+                                  f"; {n} trains the first task with finetune (it teaches a trained CLIP)" for n in names
+                                  if build(resolve(n, train_sets)).needs_trained_start)))
 
 
 def methods_report(results: dict[str, dict], out: Path, command: str, device: str, stream: str = "") -> str:
