@@ -37,6 +37,8 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--method", default="finetune", help="the method preset the stream trains with (default finetune)")
     p.add_argument("--languages", type=int, default=0,
                    help="a language stream of K tasks instead of domain tasks (English, then K-1 synthetic languages)")
+    p.add_argument("--test-per-task", type=int, default=None,
+                   help="gallery pairs per task (default: the synthetic benchmark's, 64 per domain, 48 per language)")
     p.add_argument("--out", default=str(report.RESULTS / "index-policy.md"))
     add_training_arguments(p)
     return p
@@ -45,20 +47,21 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     args = parser(prog).parse_args(argv)
     text = index_policy(Settings(), args.tasks, args.seed, args.method, args.workers, args.set, Path(args.out),
-                        args.languages)
+                        args.languages, args.test_per_task)
     print(text)
     return text
 
 
 def index_policy(settings: Settings, tasks: int = 3, seed: int = 0, method: str = "finetune", workers: int = 2,
                  overrides: Iterable[str] = (), out: Path = Path("benchmarks/results/index-policy.md"),
-                 languages: int = 0) -> str:
+                 languages: int = 0, test_per_task: int | None = None) -> str:
     stream = f"bench-index-policy-s{seed}-{time.strftime('%Y%m%d%H%M%S')}"
     overrides = list(overrides)
     train_sets = [*seeded(seed), *overrides]
     settings = settings.model_copy(update={"stream": stream})
-    dirs = (synthesize_languages(settings.data_dir / stream, languages, seed=seed) if languages else
-            synthesize(settings.data_dir / stream, tasks=tasks, seed=seed, digits=False))
+    gallery = {"test_per_task": test_per_task} if test_per_task else {}
+    dirs = (synthesize_languages(settings.data_dir / stream, languages, seed=seed, **gallery) if languages else
+            synthesize(settings.data_dir / stream, tasks=tasks, seed=seed, digits=False, **gallery))
     parent, costs = None, []
     for i, folder in enumerate(dirs):
         trainer = "finetune" if languages and i == 0 else method
@@ -80,17 +83,19 @@ def index_policy(settings: Settings, tasks: int = 3, seed: int = 0, method: str 
         with open_index(settings, f"{stream}-{policy}") as index:
             results[policy] = evaluate_through_index(index, bundle, task_list)
     return index_policy_report(results, [t.name for t in task_list], tasks, seed, method, overrides, out, costs,
-                               languages)
+                               languages, test_per_task)
 
 
 def index_policy_report(results: dict, names: list[str], tasks: int, seed: int, method: str,
-                        overrides: Iterable[str], out: Path, costs: list = (), languages: int = 0) -> str:
+                        overrides: Iterable[str], out: Path, costs: list = (), languages: int = 0,
+                        test_per_task: int | None = None) -> str:
     """Write the markdown tables of `index_policy` to `out`: per policy and mode, R@K of each task and their mean;
     then the seconds each indexing took, and what keeping the stored image vectors saved."""
     sets = "".join(f" --set {o}" for o in overrides)
     what = (f"{languages} language tasks (English trained with `finetune`, then `{method}`)" if languages
             else f"{tasks} synthetic domain tasks, `{method}`")
-    size = f"--languages {languages}" if languages else f"--tasks {tasks}"
+    size = (f"--languages {languages}" if languages else f"--tasks {tasks}") + \
+        (f" --test-per-task {test_per_task}" if test_per_task else "")
     lines = [
         "# Index policy: no-reindex vs reindex",
         "",
