@@ -35,6 +35,7 @@ from clipstream.services import app
 from clipstream.services.client import Client
 from clipstream.settings import Settings
 from clipstream.training.job import init_ray
+from clipstream.training.methods.state import STATE_FILE, save_state
 
 
 def register(settings: Settings, arch: str) -> str:
@@ -42,7 +43,7 @@ def register(settings: Settings, arch: str) -> str:
     torch.manual_seed(0)
     folder = settings.home / "export" / "checkpoint"
     models.export(models.create(arch), folder)
-    torch.save({}, folder / "method_state.pt")
+    save_state({}, folder / STATE_FILE)
     (folder / MANIFEST).write_text(json.dumps({"lineage": [], "matrix": {}}))
     registry = Registry(settings)
     with registry.run("bench-grpc-encode", {}):

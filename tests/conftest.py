@@ -135,6 +135,7 @@ def register_version(settings, seed: int, alias: str | None = None, task_dirs=()
     from clipstream import models
     from clipstream.registry import MANIFEST, Registry
     from clipstream.training.data.task import Task
+    from clipstream.training.methods.state import STATE_FILE, save_state
 
     torch.manual_seed(seed)
     tasks = [Task.load(d) for d in task_dirs]
@@ -142,7 +143,7 @@ def register_version(settings, seed: int, alias: str | None = None, task_dirs=()
                 **({"lang": t.meta["lang"]} if t.meta.get("lang") else {})} for t in tasks]
     folder = settings.home / f"export-{seed}" / "checkpoint"
     models.export(models.load_exported(model) if model else models.create("clipstream-vit-tiny"), folder)
-    torch.save({}, folder / "method_state.pt")
+    save_state({}, folder / STATE_FILE)
     (folder / MANIFEST).write_text(json.dumps({"lineage": lineage, "matrix": {}}))
     tags = {"task": tasks[-1].name if tasks else f"t{seed}", "task_index": str(max(len(tasks) - 1, 0)),
             "method": "finetune", "parent_version": parent, "data_sha": lineage[-1]["data_sha"] if tasks else "x"}

@@ -24,9 +24,10 @@ from clipstream import models
 from clipstream.training import methods
 from clipstream.training.losses import clip_loss
 from clipstream.training.methods.base import TaskContext, forward_features, frozen
+from clipstream.training.methods.state import STATE_FILE as METHOD_STATE_FILE
+from clipstream.training.methods.state import read_state, save_state
 
 STATE_FILE = "train_state.json"
-METHOD_STATE_FILE = "method_state.pt"
 EXPORT_DIR = "export"
 CKPT_TAG = "last"
 
@@ -117,7 +118,7 @@ def train_loop(config: dict) -> None:
     method = methods.build(config)
     model = method.prepare_model(prepare_for_deepspeed(bundle.model))
     if config.get("method_state"):
-        method.load_state_dict(torch.load(config["method_state"], weights_only=False))
+        method.load_state_dict(read_state(config["method_state"]))
 
     steps_per_epoch = config["steps_per_epoch"]
     total = steps_per_epoch * train["epochs"] // train["grad_accum"]
@@ -136,7 +137,7 @@ def train_loop(config: dict) -> None:
         with checkpoint.as_directory() as folder:
             engine.load_checkpoint(folder, tag=CKPT_TAG)
             state = json.loads((Path(folder) / STATE_FILE).read_text())
-            method.load_state_dict(torch.load(Path(folder) / METHOD_STATE_FILE, weights_only=False))
+            method.load_state_dict(read_state(Path(folder) / METHOD_STATE_FILE))
         start_epoch, task_ctx.step = state["epoch"] + 1, state["step"]
     else:
         method.before_task(task_ctx)
@@ -180,7 +181,7 @@ def _report_epoch(engine, method, bundle, epoch: int, step: int, rank: int, metr
         engine.save_checkpoint(folder, tag=CKPT_TAG)
         if rank == 0:
             (Path(folder) / STATE_FILE).write_text(json.dumps({"epoch": epoch, "step": step}))
-            torch.save(method.state_dict(), Path(folder) / METHOD_STATE_FILE)
+            save_state(method.state_dict(), Path(folder) / METHOD_STATE_FILE)
             bundle.model = method.export_model(engine.module)
             models.export(bundle, Path(folder) / EXPORT_DIR)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))

@@ -44,6 +44,7 @@ from clipstream.training import diagnostics, evaluate, launch, methods
 from clipstream.training.data.reader import training_dataset
 from clipstream.training.data.task import DataError, Task
 from clipstream.training.engine import EXPORT_DIR, METHOD_STATE_FILE
+from clipstream.training.methods.state import load_state, save_state
 
 
 class TrainingFailed(RuntimeError):
@@ -71,7 +72,7 @@ class Plan:
     zero_shot: list[dict] = field(default_factory=list)  # held-out tasks (lineage-style entries), never trained on
     grown: Optional[Path] = None  # the model folder the method made to train instead (CLL-CLIP: vocabulary grown)
     teacher_source: Optional[str] = None  # the frozen teacher's folder or pretrained model; None: no teacher
-    state_path: Optional[Path] = None  # the method state the workers start from (the parent's, or the driver's)
+    state_path: Optional[Path] = None  # the method state the workers start from, as the driver holds it
 
     @property
     def history(self) -> list[dict]:
@@ -162,7 +163,7 @@ def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optio
         raise ValueError(f"version {parent_v.version} has already been trained on task {task.name!r}")
     stack = methods.build(config)
     if parent_v:  # e.g. ER's buffer: the driver reads it to build the training data
-        stack.load_state_dict(torch.load(parent_v.folder / METHOD_STATE_FILE, weights_only=False))
+        stack.load_state_dict(load_state(parent_v.folder))
     current = {"task": task.name, "path": str(task.root), "data_sha": task.data_sha(),
                **({"lang": str(task.meta["lang"])} if task.meta.get("lang") else {})}
     held_out = _zero_shot_entries(zero_shot, parent_v, [*(parent_v.lineage if parent_v else []), current])
@@ -201,11 +202,7 @@ def _prepare_model(registry: Registry, plan: Plan) -> None:
     source = plan.model_source
     plan.grown = plan.method.prepare_version(source, plan.parent.version if plan.parent else None, plan.config,
                                              plan.current, plan.history, plan.workdir)
-    if plan.grown:
-        plan.state_path = plan.workdir / METHOD_STATE_FILE
-        torch.save(plan.method.state_dict(), plan.state_path)
-    elif plan.parent:
-        plan.state_path = plan.parent.folder / METHOD_STATE_FILE
+    plan.state_path = save_state(plan.method.state_dict(), plan.workdir / METHOD_STATE_FILE)
     pinned = plan.method.teacher()
     if pinned and pinned.get("version"):
         plan.teacher_source = str(registry.resolve(pinned["version"]).folder)

@@ -15,7 +15,6 @@ from clipstream.registry import Registry
 from clipstream.training import evaluate
 from clipstream.training.data.task import DataError, Task
 
-
 STREAM = ("ewc_modx_ctp_er", 2)  # a method stream test's: trained once per session
 pytestmark = pytest.mark.stream(*STREAM)
 

@@ -13,6 +13,7 @@ from clipstream.models import WEIGHTS_FILE
 from clipstream.registry import Registry
 from clipstream.training.data.task import Task
 from clipstream.training.methods import resolve
+from clipstream.training.methods.state import load_state
 
 # (preset, ZeRO stage): teacher and momentum copies must stay outside the partitioned optimizers of ZeRO 1
 # and 2 (ZeRO 0 partitions nothing; test_job trains with it). Each stream runs several methods together
@@ -32,7 +33,7 @@ def test_a_three_task_stream_carries_the_method_state(trained_stream, method, st
     versions = registry.versions()
     assert [v.tags["method"] for v in versions] == [method] * 3
     assert [v.tags["parent_version"] for v in versions] == ["", "1", "2"]
-    states = [torch.load(registry.resolve(v.version).folder / "method_state.pt", weights_only=False) for v in versions]
+    states = [load_state(registry.resolve(v.version).folder) for v in versions]
     client = MlflowClient(settings.mlflow_tracking_uri)
     metrics = [client.get_run(v.run_id).data.metrics for v in versions]
 
@@ -94,7 +95,7 @@ def test_a_language_stream_grows_the_vocabulary_and_trains_only_the_rows_of_its_
     assert [v.tags["method"] for v in versions] == ["cclip", "teir", "teir"]
     folders = [registry.resolve(v.version).folder for v in versions]
     weights = [load_file(f / WEIGHTS_FILE) for f in folders]
-    states = [torch.load(f / "method_state.pt", weights_only=False) for f in folders]
+    states = [load_state(f) for f in folders]
     stock = models.create(resolve("cclip")["model"]["arch"]).model.state_dict()
     assert {k: v.shape for k, v in weights[0].items()} == {k: v.shape for k, v in stock.items()}  # C-CLIP merged
 

@@ -1,0 +1,53 @@
+"""Artifacts are data, never code: a method state planted in a registered version runs nothing when a job reads
+it (issue 14, security)."""
+
+import pickle
+
+import pytest
+import torch
+
+from clipstream.training.methods.state import LEGACY_FILE, STATE_FILE, StateError, load_state
+
+
+class _Payload:
+    """What an attacker would pickle: unpickling it calls `touch` on the marker."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (self.marker,))
+
+
+def test_a_pickled_legacy_state_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    with open(tmp_path / LEGACY_FILE, "wb") as f:
+        pickle.dump({"ewc": _Payload(pathlib_path(marker))}, f)
+    with pytest.raises(StateError, match="refused to load this method state"):
+        load_state(tmp_path)
+    assert not marker.exists()
+
+
+def test_a_legacy_state_of_tensors_and_plain_values_still_loads(tmp_path):
+    torch.save({"ewc": {"importance": {"w": torch.ones(2)}, "tasks": 1}, "er": {"pairs": [{"image": b"x"}]}},
+               tmp_path / LEGACY_FILE)
+    state = load_state(tmp_path)
+    assert state["ewc"]["tasks"] == 1 and state["er"]["pairs"][0]["image"] == b"x"
+
+
+def test_the_safe_format_wins_over_a_planted_pickle_next_to_it(tmp_path):
+    from clipstream.training.methods.state import save_state
+
+    marker = tmp_path / "pwned"
+    save_state({"ewc": {"tasks": 2}}, tmp_path / STATE_FILE)
+    with open(tmp_path / LEGACY_FILE, "wb") as f:
+        pickle.dump(_Payload(pathlib_path(marker)), f)
+    assert load_state(tmp_path) == {"ewc": {"tasks": 2}} and not marker.exists()
+
+
+def pathlib_path(p):
+    import pathlib
+
+    return pathlib.Path(p)
