@@ -14,6 +14,7 @@ from clipstream.training.data.task import DataError, Task
 from clipstream.training.engine import METHOD_STATE_FILE
 from clipstream.training.evaluate import ResultMatrix
 from clipstream.training.job import evaluate_version, prepare, register
+from clipstream.training.methods.state import save_state
 from tests.conftest import register_version
 
 
@@ -22,7 +23,7 @@ def _trained(plan, seed: int):
     torch.manual_seed(seed)
     folder = plan.workdir / "checkpoint"
     models.export(models.create(plan.config["model"]["arch"]), folder)
-    torch.save(plan.method.state_dict(), folder / METHOD_STATE_FILE)
+    save_state(plan.method.state_dict(), folder / METHOD_STATE_FILE)
     return folder
 
 
