@@ -39,6 +39,10 @@ PROMOTION_TAGS = ("from_version", "to_version", "reason", "user", "time", "force
 DEFAULT_LANGUAGE = "en"  # of a task whose task.yaml names no `lang` (the synthetic domains, most caption sets)
 
 
+def _languages(lineage: list[dict]) -> list[str]:
+    return list(dict.fromkeys(e.get("lang") or DEFAULT_LANGUAGE for e in lineage))
+
+
 class RegistryError(LookupError):
     """A model reference that does not resolve, with the reason."""
 
@@ -84,8 +88,8 @@ class Version:
         """The caption languages this version was trained on (a task's `lang`; English where a task names none),
         from the tag: no download needed."""
         names = self.tags.get("languages")
-        if names is None:
-            names = ",".join(dict.fromkeys(e.get("lang") or DEFAULT_LANGUAGE for e in self.lineage))
+        if names is None:  # (registered before the tag existed)
+            return _languages(self.lineage)
         return names.split(",") if names else []
 
     @property
@@ -140,7 +144,7 @@ class Registry:
         manifest = json.loads((Path(checkpoint) / MANIFEST).read_text())
         lineage = manifest.get("lineage", [])
         tags = {**tags, "lineage_tasks": ",".join(e["task"] for e in lineage),
-                "languages": ",".join(dict.fromkeys(e.get("lang") or DEFAULT_LANGUAGE for e in lineage)),
+                "languages": ",".join(_languages(lineage)),
                 "tokenizer": (manifest.get("tokenizer") or {}).get("sha", ""),
                 "image_tower": manifest.get("image_tower") or ""}
         info = mlflow.pyfunc.log_model(name="model", python_model=str(Path(__file__).with_name("mlflow_model.py")),

@@ -47,7 +47,7 @@ class Encoder:
         self.registry = Registry(settings, alias_ttl_s)
         torch.set_num_threads(max(1, int(settings.serve_encoder_cpus)))  # Ray pins 1 thread to a fractional reservation
         self.settings = settings
-        self._languages: dict = {}  # version -> its registry entry (languages, tokenizer), read once
+        self._entries: dict = {}  # version -> its registry entry (languages, tokenizer), read once
         self.batches_seen: list[int] = []  # sizes of recent batches: shows batching at work (tests, debugging)
         self._encode.set_max_batch_size(settings.serve_batch_size)
         self._encode.set_batch_wait_timeout_s(batch_wait_s)
@@ -133,9 +133,9 @@ class Encoder:
 
     def _check_language(self, version: str, language: str) -> None:
         """Refuse text in a language `version` was never trained on (its tokenizer has no subwords learnt for it)."""
-        if version not in self._languages:  # a version's tags never change
-            self._languages[version] = self.registry.resolve(version, download=False)
-        known = self._languages[version]
+        if version not in self._entries:  # a version's tags never change
+            self._entries[version] = self.registry.resolve(version, download=False)
+        known = self._entries[version]
         if language not in known.languages:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"model version {version} was not trained on language {language!r} (it knows "

@@ -239,9 +239,9 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
     # what the workers and Ray Data's tasks read goes where Ray Train's checkpoints go: storage every node shares
     # (on Kubernetes the runs volume; HOME, where versions are downloaded, is each pod's own)
     shared = settings.runs_dir / "inputs" / run_id
-    model_source, teacher_source, state_path = (_share(p, shared / name) for p, name in
-                                                ((plan.model_source, "model"), (plan.teacher_source, "teacher"),
-                                                 (plan.state_path, METHOD_STATE_FILE)))
+    model_source, state_path = _share(plan.model_source, shared / "model"), _share(plan.state_path, shared / METHOD_STATE_FILE)
+    # (the teacher is most often the parent, which is the model: copied once)
+    teacher_source = model_source if plan.teacher_source == plan.model_source else _share(plan.teacher_source, shared / "teacher")
     init_ray(settings)
     deterministic = train["deterministic"]
     teacher_tokens = _tokenizer_spec(teacher_source, bundle.arch) if plan.method.teacher_text else None

@@ -59,12 +59,12 @@ def _prepare(batch: dict, *, root: str, preprocess: str, augment: bool, tokenize
         except Exception as exc:  # the file changed after the task was checked
             raise DataError(f"task {root}: cannot decode image of id {batch['id'][i]!r}: {exc}") from exc
     captions = [str(batch["caption"][i]) for i in keep]
-    english = [str(batch["caption_en"][i]) for i in keep] if "caption_en" in batch else captions
     empty = np.zeros((0, 1), np.int64)
     if not keep:
         return {"image": np.zeros((0, 3, 1, 1), np.float32), "text": empty, **({"text_en": empty} if teacher_tokenizer else {})}
     out = {"image": np.stack(images).astype(np.float32), "text": _tokenizer(tokenizer)(captions).numpy()}
     if teacher_tokenizer:  # a language task's English caption (CLL-CLIP's r^E), in the teacher's tokens
+        english = [str(batch["caption_en"][i]) for i in keep] if "caption_en" in batch else captions
         out["text_en"] = _tokenizer(teacher_tokenizer)(english).numpy()
     return out
 

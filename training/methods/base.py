@@ -4,11 +4,11 @@ pieces several methods share: the features of one forward pass and the frozen pr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -154,7 +154,7 @@ class Stack(Method):
         self.teacher_text = any(c.teacher_text for c in components)
         self.needs_trained_start = any(c.needs_trained_start for c in components)
         self.task_end_batches = max([c.task_end_batches for c in components], default=0)
-        self.clip_weight = float(np.prod([c.clip_weight for c in components]))
+        self.clip_weight = float(math.prod(c.clip_weight for c in components))
         if components:  # an empty stack is fine-tuning: both towers
             self.trains_towers = tuple(t for t in ("image", "text") if any(t in c.trains_towers for c in components))
 
@@ -174,7 +174,7 @@ class Stack(Method):
         return next((t for t in (c.teacher() for c in self.components) if t), None)
 
     def lr_scale(self, name):
-        return float(np.prod([c.lr_scale(name) for c in self.components]))
+        return float(math.prod(c.lr_scale(name) for c in self.components))
 
     def prepare_model(self, model):
         for c in self.components:

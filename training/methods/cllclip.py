@@ -67,7 +67,8 @@ class CllClip(Method):
         p = self.params
         bundle = models.create(config["model"]["arch"], source)
         tokenizer = _hf_tokenizer(bundle)
-        captions = [str(r["caption"]) for r in Task.load(current["path"]).check("train").rows]
+        task = Task.load(current["path"])
+        captions = [str(r["caption"]) for r in task.check("train").rows]
         if not self.state:  # the language stream begins here: its teacher and token counts start now
             earlier = [[str(r["caption"]) for r in Task.load(e["path"]).check("train").rows] for e in history]
             freq = torch.ones(len(tokenizer.get_vocab()))
@@ -85,7 +86,6 @@ class CllClip(Method):
         present[_present(growth.tokenizer, captions, len(freq))] = True
         lam = (vocabulary.row_scale(present, freq, growth.tokenizer.all_special_ids) if p["teir_scale"]
                else torch.ones(len(freq)))
-        task = Task.load(current["path"])
         self.state.update(
             freq=freq + present.float(),  # as it stands after this task: present tokens count it once
             lam=lam, words=sorted(set(self.state["words"]) | vocabulary.words(growth.tokenizer, captions)),
