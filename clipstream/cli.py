@@ -106,16 +106,18 @@ def _bench(args) -> None:
 
 
 def _serve(args) -> None:
-    from clipstream.services import app
+    from clipstream.services import app, binding
     from clipstream.services.health import SERVICES
     from clipstream.training.job import init_ray
 
     settings = Settings(**({"serve_replicas": args.replicas} if args.replicas else {}))
+    binding.check(settings)  # before Ray starts: a refusal costs nothing
     app.serving_environment()
     init_ray(settings)
     app.start(settings)
-    print(f"serving {', '.join(SERVICES)} on 0.0.0.0:{settings.grpc_port} (reflection and grpc.health.v1 on"
-          f"{'; API key required' if settings.api_key else ''}); Ctrl-C stops", flush=True)
+    where = binding.address(settings.grpc_host, settings.grpc_port)
+    print(f"serving {', '.join(SERVICES)} on {where} ({'TLS' if settings.tls else 'plaintext'}; reflection and "
+          f"grpc.health.v1 on{'; API key required' if settings.secret('api_key') else ''}); Ctrl-C stops", flush=True)
     try:
         while True:
             time.sleep(3600)
@@ -128,7 +130,8 @@ def _client(args):
 
     settings = Settings()
     args.address = args.address or f"127.0.0.1:{settings.grpc_port}"  # what the command's output names
-    return Client(args.address, api_key=settings.api_key)
+    return Client(args.address, api_key=settings.secret("api_key"), tls=args.tls or settings.tls,
+                  ca_file=settings.tls_ca_file or settings.tls_cert_file)
 
 
 def _status(args) -> None:
@@ -361,6 +364,11 @@ def parser() -> argparse.ArgumentParser:
                        help="a held-out task no version trains on, evaluated with every version of the stream for "
                             "zero-shot retention (repeatable; default: the parent's)")
 
+    def client_args(q):
+        q.add_argument("--address", help="HOST:PORT of the server (default 127.0.0.1 and the Settings port)")
+        q.add_argument("--tls", action="store_true", help="speak TLS, verifying the server against CLIPSTREAM_TLS_CA_FILE "
+                       "(default: the system's roots; on when this machine's settings configure a certificate)")
+
     train = sub.add_parser("train", help="train one task as a Ray Train job and register a version")
     train.add_argument("--task", required=True)
     train.add_argument("--parent", help="models:/STREAM@ALIAS, an alias or a version number")
@@ -406,7 +414,7 @@ def parser() -> argparse.ArgumentParser:
     en.add_argument("--image", action="append", default=[], help="an image file (repeatable)")
     en.add_argument("--model-version", default="")
     en.add_argument("--language", default="", help="the text's language (a task's lang): refused by a version not trained on it")
-    en.add_argument("--address")
+    client_args(en)
     en.set_defaults(func=_encode)
     se = sub.add_parser("search", help="search the index through the running service")
     se.add_argument("query", nargs="?", help="a text query (or use --image)")
@@ -415,7 +423,7 @@ def parser() -> argparse.ArgumentParser:
     se.add_argument("-k", type=int, default=5)
     se.add_argument("--model-version", default="")
     se.add_argument("--language", default="", help="the text's language (a task's lang): refused by a version not trained on it")
-    se.add_argument("--address")
+    client_args(se)
     se.set_defaults(func=_search)
     kube = sub.add_parser("k8s", help="print RayJob manifests for `kubectl apply -f -` (see k8s/README.md)")
     kube_sub = kube.add_subparsers(dest="k8s_command", required=True)
@@ -442,11 +450,11 @@ def parser() -> argparse.ArgumentParser:
 
     hc = sub.add_parser("health", help="check the running service with grpc.health.v1 (exit 0 when SERVING)")
     hc.add_argument("--service", default="", help="a service name such as clipstream.v1.Search (default: the server)")
-    hc.add_argument("--address", help="HOST:PORT (default 127.0.0.1 and the Settings port)")
+    client_args(hc)
     hc.set_defaults(func=_health)
 
     st = sub.add_parser("status", help="what the running service holds (Admin.GetStatus and ListVersions)")
-    st.add_argument("--address")
+    client_args(st)
     st.set_defaults(func=_status)
 
     from clipstream.benchmarks import BENCHMARKS
@@ -480,13 +488,39 @@ def main(argv: list[str] | None = None) -> int:
         if job and isinstance(exc, job.TrainingFailed):  # not the input's fault: exit 1, the cause in one line
             print(f"clipstream: error: {exc}", file=sys.stderr)
             return 1
-        if not isinstance(exc, _user_errors()):
-            raise
+        if not isinstance(exc, _user_errors()):  # a bug: one line here, the traceback in a file
+            print(f"clipstream: internal error: {type(exc).__name__}: {_one_line(exc)} (traceback in {_crash_log(exc)}; "
+                  "please report it)", file=sys.stderr)
+            return 1
         rpc = _loaded("grpc")
-        detail = f"{exc.code().name}: {exc.details()}" if rpc and isinstance(exc, rpc.RpcError) else str(exc)
+        detail = f"{exc.code().name}: {exc.details()}" if rpc and isinstance(exc, rpc.RpcError) else _one_line(exc)
         print(f"clipstream: error: {detail}", file=sys.stderr)  # a gRPC error: the service's own status and message
         return 2
     return code or 0
+
+
+def _one_line(exc: Exception) -> str:
+    """The message on one line; a settings error (pydantic) as `field: reason` pairs."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors) and type(exc).__name__ == "ValidationError":
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg'].removeprefix('Value error, ')}"
+                         for e in errors())
+    return " ".join(str(exc).split())
+
+
+def _crash_log(exc: Exception) -> Path:
+    """The traceback written under HOME/logs (the temp dir when the settings themselves cannot be read)."""
+    import tempfile
+    import traceback
+
+    try:
+        folder = Settings().home / "logs"
+        folder.mkdir(parents=True, exist_ok=True)
+    except Exception:
+        folder = Path(tempfile.gettempdir())
+    path = folder / f"clipstream-crash-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    path.write_text(f"clipstream {' '.join(sys.argv[1:])}\n" + "".join(traceback.format_exception(exc)))
+    return path
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
@@ -495,7 +529,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     raised nothing), so that `data synth` does not pay for importing MLflow and gRPC."""
     errors: list[type[Exception]] = [ValueError, FileNotFoundError]
     for module, name in (("clipstream.training.data.task", "DataError"), ("clipstream.registry", "RegistryError"),
-                         ("grpc", "RpcError")):
+                         ("grpc", "RpcError"), ("clipstream.services.binding", "BindingError")):
         if _loaded(module):
             errors.append(getattr(_loaded(module), name))
     return tuple(errors)

@@ -601,7 +601,7 @@ def open_index(settings, name: str | None = None, lineage: str = "shared") -> Ve
 
     url = settings.qdrant_url
     client = (QdrantClient(path=url.removeprefix("local:")) if url.startswith("local:")
-              else QdrantClient(url=url, api_key=settings.qdrant_api_key))
+              else QdrantClient(url=url, api_key=settings.secret("qdrant_api_key")))
     index = ServerIndex(client, name, lineage)
     index._owns_client = True
     return index

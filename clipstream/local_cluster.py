@@ -289,6 +289,8 @@ class LocalCluster:
         path = self.root / "serve-config.yaml"
         path.write_text(yaml.safe_dump({**config, "http_options": {"host": "127.0.0.1", "port": self.http_port}}))
         self._serve_cli("deploy", str(path))
+        import grpc
+
         from clipstream.services.app import wait_routed
 
         def running() -> bool:
@@ -299,7 +301,7 @@ class LocalCluster:
             return bool(apps) and all(app["status"] == "RUNNING" for app in apps.values())
 
         self._wait_for(running, timeout_s, "the Serve applications")
-        wait_routed(f"127.0.0.1:{config['grpc_options']['port']}", timeout_s)
+        wait_routed(grpc.insecure_channel(f"127.0.0.1:{config['grpc_options']['port']}"), timeout_s)
 
     def serve_applications(self) -> dict:
         """Serve's REST API view of the applications (status, deployments, replicas), {} before any deploy."""

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -33,7 +33,7 @@ def _config_file() -> Optional[Path]:
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="CLIPSTREAM_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="CLIPSTREAM_", extra="forbid", hide_input_in_errors=True)  # (keys)
 
     home: Path = Field(Path(".clipstream"), description="root of every embedded default")
     data_dir: Optional[Path] = Field(None, description="task data and synthetic benchmarks; default HOME/data")
@@ -42,9 +42,19 @@ class Settings(BaseSettings):
     stream: str = Field("clipstream", description="MLflow experiment and registered-model name")
     qdrant_path: Optional[Path] = Field(None, description="embedded Qdrant Edge directory; default HOME/qdrant")
     qdrant_url: Optional[str] = Field(None, description="Qdrant server URL (or local:PATH for qdrant-client's local mode); when set, used instead of the embedded engine")
-    qdrant_api_key: Optional[str] = None
+    qdrant_api_key: Optional[SecretStr] = Field(None, description="the Qdrant server's API key (prefer qdrant_api_key_file)")
+    qdrant_api_key_file: Optional[Path] = Field(None, description="a file holding the Qdrant API key (a mounted Secret)")
     ray_address: Optional[str] = Field(None, description="None starts a local Ray; 'auto' or ray://host:port joins a cluster")
     grpc_port: int = Field(9000, ge=1, le=65535)
+    grpc_host: str = Field("127.0.0.1", description="the interface `clipstream serve` listens on: loopback by default; "
+                           "0.0.0.0 or :: for all, which needs an API key (or grpc_allow_unauthenticated)")
+    grpc_allow_unauthenticated: bool = Field(False, description="listen on a non-loopback grpc_host without an API key "
+                                             "(only on a network where every client is trusted)")
+    tls_cert_file: Optional[Path] = Field(None, description="PEM certificate chain: with tls_key_file, the gRPC port "
+                                          "speaks TLS only")
+    tls_key_file: Optional[Path] = Field(None, description="PEM private key of tls_cert_file")
+    tls_ca_file: Optional[Path] = Field(None, description="client side (--tls): PEM roots that signed the server's "
+                                        "certificate (default: the system's)")
     runs_dir: Optional[Path] = Field(None, description="Ray Train storage (checkpoints); default HOME/runs")
     presets: Optional[Path] = Field(None, description="a YAML file of your own method presets, added to the "
                                     "shipped ones (same format; inherit_from may name shipped presets)")
@@ -61,8 +71,11 @@ class Settings(BaseSettings):
     serve_max_items: int = Field(256, ge=1, description="texts or images in one request")
     serve_max_text_chars: int = Field(2000, ge=1)
     serve_max_image_bytes: int = Field(8 * 1024 * 1024, ge=1)
-    api_key: Optional[str] = Field(None, description="when set, every clipstream RPC must carry metadata "
-                                                     "x-api-key (health and reflection stay open for probes)")
+    api_key: Optional[SecretStr] = Field(None, description="when set, every clipstream RPC must carry metadata "
+                                         "x-api-key (health and reflection stay open for probes); prefer api_key_file")
+    api_key_file: Optional[Path] = Field(None, description="a file holding the API key (a mounted Kubernetes Secret): "
+                                         "unlike a variable it is not inherited by every child process")
+    _secrets: dict = PrivateAttr(default_factory=dict)  # key name -> value read from its file
 
     @classmethod
     def settings_customise_sources(
@@ -85,7 +98,23 @@ class Settings(BaseSettings):
             self.mlflow_tracking_uri = f"sqlite:///{home / 'mlflow.db'}"
         if self.mlflow_artifact_root is None:
             self.mlflow_artifact_root = str(home / "mlartifacts")
+        for name in ("api_key", "qdrant_api_key"):
+            self._secrets[name] = _read_secret(name, getattr(self, name), getattr(self, f"{name}_file"))
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both for TLS, or neither")
+        for name in ("tls_cert_file", "tls_key_file", "tls_ca_file"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"{name}={path}: no such file")
         return self
+
+    def secret(self, name: str) -> Optional[str]:
+        """The value of `api_key` or `qdrant_api_key`, from the setting or its `_file`; never in a repr or a log."""
+        return self._secrets.get(name)
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
 
     @property
     def embedded_registry(self) -> bool:
@@ -101,5 +130,18 @@ class Settings(BaseSettings):
         out = {}
         for name, value in self.model_dump().items():
             if value is not None:
-                out[f"CLIPSTREAM_{name.upper()}"] = str(value)
+                out[f"CLIPSTREAM_{name.upper()}"] = value.get_secret_value() if isinstance(value, SecretStr) else str(value)
         return out
+
+
+def _read_secret(name: str, value: Optional[SecretStr], file: Optional[Path]) -> Optional[str]:
+    if value is not None and file is not None:
+        raise ValueError(f"both {name} and {name}_file are set: keep one")
+    if file is None:
+        return value.get_secret_value() if value is not None else None
+    if not file.is_file():
+        raise ValueError(f"{name}_file={file}: no such file")
+    secret = file.read_text(encoding="utf-8").strip()  # (a Secret written with `echo` ends in a newline)
+    if not secret:
+        raise ValueError(f"{name}_file={file} is empty")
+    return secret

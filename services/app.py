@@ -11,6 +11,7 @@ from ray import serve
 from ray.serve.config import gRPCOptions
 from ray.serve.generated import serve_pb2, serve_pb2_grpc
 
+from clipstream.services import binding, client
 from clipstream.services.encoder import Encoder
 from clipstream.services.search import Search
 from clipstream.settings import Settings
@@ -51,19 +52,25 @@ def app(args: dict) -> serve.Application:
     return build(Settings(**(args or {})))
 
 
-def start(settings, timeout_s: float = 60.0) -> None:
-    """Start Serve's gRPC proxy on settings.grpc_port and deploy the application; returns once the
-    proxy routes to it."""
+def start(settings, timeout_s: float = 60.0) -> str:
+    """Start Serve's gRPC proxy on settings.grpc_host:grpc_port (TLS when a certificate is configured) and deploy
+    the application; returns the address clients dial once the proxy routes to it."""
+    binding.check(settings)
+    binding.publish(settings)
     serve.start(grpc_options=gRPCOptions(port=settings.grpc_port, grpc_servicer_functions=GRPC_SERVICERS,
                                          enable_reflection=True))
     serve.run(build(settings), name=APP, route_prefix=f"/{APP}")
-    wait_routed(f"127.0.0.1:{settings.grpc_port}", timeout_s)
+    binding.confirm(settings)
+    host = settings.grpc_host if not settings.grpc_host.strip("[]") in ("0.0.0.0", "::") else "127.0.0.1"
+    target = binding.address(host, settings.grpc_port)
+    wait_routed(client.channel(target, tls=settings.tls, ca_file=settings.tls_ca_file or settings.tls_cert_file), timeout_s)
+    return target
 
 
-def wait_routed(address: str, timeout_s: float = 60.0) -> None:
-    """Return once the Serve gRPC proxy at `address` routes to the application: the proxy learns new
+def wait_routed(channel: grpc.Channel, timeout_s: float = 60.0) -> None:
+    """Return once the Serve gRPC proxy behind `channel` routes to the application: the proxy learns new
     applications asynchronously after a deploy (`serve.run`, `serve deploy`, a RayService update)."""
-    with grpc.insecure_channel(address) as channel:
+    with channel:
         ask = serve_pb2_grpc.RayServeAPIServiceStub(channel).ListApplications
         deadline = time.monotonic() + timeout_s
         while True:
@@ -74,5 +81,5 @@ def wait_routed(address: str, timeout_s: float = 60.0) -> None:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the gRPC proxy at {address} did not route to {APP!r} in {timeout_s:g} s")
+                raise TimeoutError(f"the gRPC proxy did not route to {APP!r} in {timeout_s:g} s")
             time.sleep(0.2)

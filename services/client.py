@@ -1,9 +1,10 @@
 """Python client for the clipstream gRPC services: batches large inputs, shows progress, retries while
-the server is UNAVAILABLE (starting, or a replica swapping), and returns numpy arrays."""
+the server is UNAVAILABLE (starting, or a replica swapping) through gRPC's own retry policy in the channel's
+service config, speaks TLS when asked, and returns numpy arrays."""
 
 from __future__ import annotations
 
-import time
+import json
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -23,17 +24,36 @@ from clipstream.v1 import (
 )
 
 API_KEY_HEADER = "x-api-key"  # the metadata key the server checks when Settings.api_key is set
+SERVICES = ("clipstream.v1.Encoder", "clipstream.v1.Search", "clipstream.v1.Admin", "grpc.health.v1.Health")
+
+
+def service_config(retries: int) -> str:
+    """gRPC's retry policy for every clipstream RPC: UNAVAILABLE (the proxy starting, a replica being replaced)
+    is retried with exponential backoff, up to `retries` times (gRPC caps attempts at 5); nothing else is."""
+    policy = {"maxAttempts": min(retries, 4) + 1, "initialBackoff": "0.2s", "maxBackoff": "5s",
+              "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}
+    return json.dumps({"methodConfig": [{"name": [{"service": s} for s in SERVICES],
+                                         **({"retryPolicy": policy} if retries else {})}]})
+
+
+def channel(address: str, *, tls: bool = False, ca_file: Optional[str | Path] = None, retries: int = 4) -> grpc.Channel:
+    """A channel to a clipstream server: TLS verified against `ca_file` (PEM; default the system roots) when `tls`."""
+    options = [("grpc.service_config", service_config(retries)), ("grpc.enable_retries", int(retries > 0))]
+    if not tls:
+        return grpc.insecure_channel(address, options=options)
+    roots = Path(ca_file).read_bytes() if ca_file else None
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=roots), options=options)
 
 
 class Client:
     def __init__(self, address: str = "127.0.0.1:9000", *, api_key: Optional[str] = None, timeout_s: float = 30.0,
-                 retries: int = 5):
-        self.channel = grpc.insecure_channel(address)
+                 retries: int = 4, tls: bool = False, ca_file: Optional[str | Path] = None):
+        self.channel = channel(address, tls=tls, ca_file=ca_file, retries=retries)
         self.encoder = encoder_pb2_grpc.EncoderStub(self.channel)
         self.searcher = search_pb2_grpc.SearchStub(self.channel)
         self.admin = admin_pb2_grpc.AdminStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
-        self.timeout_s, self.retries = timeout_s, retries
+        self.timeout_s = timeout_s
         self.metadata = ((API_KEY_HEADER, api_key),) if api_key else None
 
     def encode_text(self, texts: Sequence[str], batch_size: int = 64, model_version: str = "",
@@ -108,10 +128,4 @@ class Client:
         return np.concatenate(vectors), versions.pop()
 
     def _call(self, method, request):
-        for attempt in range(self.retries + 1):
-            try:
-                return method(request, timeout=self.timeout_s, metadata=self.metadata)
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
-                    raise
-                time.sleep(min(0.2 * 2 ** attempt, 5.0))
+        return method(request, timeout=self.timeout_s, metadata=self.metadata)

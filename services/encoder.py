@@ -13,6 +13,8 @@ model without a restart, and every response names the version that made its vect
 from __future__ import annotations
 
 import hmac
+import logging
+import uuid
 from collections import defaultdict
 
 import grpc
@@ -26,6 +28,8 @@ from clipstream.registry import Registry, RegistryError
 from clipstream.services.client import API_KEY_HEADER
 from clipstream.v1 import admin_pb2, encoder_pb2, search_pb2
 
+logger = logging.getLogger("ray.serve")
+
 
 class RequestError(Exception):
     """A refused request and the gRPC status that says why; survives Ray's trip between deployments."""
@@ -36,6 +40,24 @@ class RequestError(Exception):
 
     def __reduce__(self):
         return RequestError, (self.code, str(self))
+
+
+def _unexpected(exc: Exception) -> RequestError:
+    """A failure that is not the request's fault, as the caller should see it: UNAVAILABLE (worth a retry, which
+    the client's retry policy makes) when a replica or the registry went away, else INTERNAL; never a traceback,
+    which goes to the replica's log under an id the message names."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    incident = uuid.uuid4().hex[:12]
+    logger.error("request failed, incident %s", incident, exc_info=exc)
+    gone = (ActorDiedError, ActorUnavailableError, RayActorError, BackPressureError, DeploymentUnavailableError,
+            ConnectionError, TimeoutError)
+    if isinstance(exc, gone) or isinstance(getattr(exc, "cause", None), gone):  # (RayTaskError: the remote cause)
+        return RequestError(grpc.StatusCode.UNAVAILABLE, f"a serving component is unavailable ({type(exc).__name__}, "
+                            f"incident {incident}): retry shortly")
+    return RequestError(grpc.StatusCode.INTERNAL, f"internal error, incident {incident}: the server's log has the "
+                        "details; please report it")
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=128)
@@ -96,7 +118,7 @@ class Encoder:
         return list(wrapper.models) if wrapper else []
 
     def _authorize(self, grpc_context) -> None:
-        key = self.settings.api_key
+        key = self.settings.secret("api_key")
         if not key:
             return
         sent = dict(grpc_context.invocation_metadata()).get(API_KEY_HEADER, "") if grpc_context else ""
@@ -111,11 +133,13 @@ class Encoder:
             self._authorize(grpc_context)
             return await work()
         except Exception as exc:
+            if grpc_context is None:
+                raise
             # from another deployment, Ray raises a RayTaskError (that may also subclass RequestError) whose
             # `cause` is the original; its own str() holds the remote traceback
             cause = getattr(exc, "cause", None) if isinstance(getattr(exc, "cause", None), RequestError) else exc
-            if not isinstance(cause, RequestError) or grpc_context is None:
-                raise
+            if not isinstance(cause, RequestError):
+                cause = _unexpected(exc)
             grpc_context.set_code(cause.code)
             grpc_context.set_details(str(cause))
             return empty()

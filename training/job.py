@@ -355,8 +355,9 @@ def init_ray(settings: Settings, num_cpus: Optional[int] = None) -> None:
     ray.data.DataContext.get_current().enable_progress_bars = False
     if settings.ray_address:
         ray.init(address=settings.ray_address, log_to_driver=True)
-    else:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), log_to_driver=True, configure_logging=False)
+    else:  # the hook lets `clipstream serve` choose the gRPC port's interface and TLS (clipstream.services.binding)
+        ray.init(num_cpus=num_cpus or os.cpu_count(), log_to_driver=True, configure_logging=False,
+                 runtime_env={"worker_process_setup_hook": "clipstream.services.binding.install"})
 
 
 def _share(path, dest: Path) -> Optional[str]:

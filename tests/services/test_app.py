@@ -35,3 +35,25 @@ def test_the_proxys_servicer_functions_import_nothing_heavy():
     code = f"import sys, {', '.join(modules)}; print(sorted(m for m in ('torch', 'open_clip', 'ray') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_served_port_listens_on_loopback_only(served):
+    """Ray Serve's proxy binds every interface; clipstream's setup hook makes it bind Settings.grpc_host
+    (127.0.0.1 by default), and `app.start` checked that the proxy acknowledged it."""
+    import psutil
+
+    port = served[0].grpc_port
+    listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.laddr.port == port and c.status == "LISTEN"}
+    assert listening and all(ip in ("127.0.0.1", "::ffff:127.0.0.1") for ip in listening), listening
+
+
+def test_the_setup_hook_patches_only_when_serve_is_imported():
+    """Every Ray worker runs the hook: importing Serve there (~2 s) for training and Ray Data tasks would be waste."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from clipstream.services import binding; binding.install(); "
+            "print('ray.serve' in sys.modules); from ray.serve._private import default_impl; "
+            "print(getattr(default_impl.add_grpc_address, 'clipstream', False))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True"]

@@ -1,7 +1,6 @@
 """The Python client against the real served app: batching, numpy outputs, search dicts, retries."""
 
 import socket
-import time
 
 import grpc
 import numpy as np
@@ -29,16 +28,61 @@ def test_client_refuses_ambiguous_queries_and_empty_input(served):
             client.encode_text([])
 
 
-def test_client_retries_unavailable_then_gives_up():
+class FlakyHealth:
+    """A real gRPC server whose health check answers `codes` in turn, then SERVING: what the client's retry
+    policy sees while a proxy starts or a replica is replaced."""
+
+    def __init__(self, codes):
+        from concurrent import futures
+
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        self.codes, self.attempts = list(codes), 0
+        outer = self
+
+        class Servicer(health_pb2_grpc.HealthServicer):
+            def Check(self, request, context):
+                outer.attempts += 1
+                if outer.codes:
+                    context.abort(outer.codes.pop(0), "not yet")
+                return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(2))
+        health_pb2_grpc.add_HealthServicer_to_server(Servicer(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.server.stop(None)
+
+
+def test_client_retries_unavailable_through_its_service_config():
+    with FlakyHealth([grpc.StatusCode.UNAVAILABLE] * 2) as server, Client(f"127.0.0.1:{server.port}") as client:
+        assert client.health() == "SERVING"
+        assert server.attempts == 3  # two refusals retried by the channel's retry policy, no code of ours
+    with FlakyHealth([grpc.StatusCode.UNAVAILABLE] * 2) as server, Client(f"127.0.0.1:{server.port}", retries=1) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.health()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and server.attempts == 2  # gave up after 1 retry
+
+
+def test_client_does_not_retry_what_a_retry_cannot_fix():
+    with FlakyHealth([grpc.StatusCode.INVALID_ARGUMENT]) as server, Client(f"127.0.0.1:{server.port}") as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.health()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and server.attempts == 1
+
+
+def test_client_gives_up_on_a_port_nobody_listens_on():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens here once the socket closes
-    client = Client(f"127.0.0.1:{port}", retries=2, timeout_s=2)
-    tic = time.monotonic()
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(grpc.RpcError) as err, Client(f"127.0.0.1:{port}", timeout_s=5) as client:
         client.encode_text(["a cup"])
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert time.monotonic() - tic >= 0.2 + 0.4  # it backed off twice before giving up
 
 
 def test_cli_search_and_encode_print_tables_and_statuses(served, indexed, capsys, monkeypatch):

@@ -1,7 +1,8 @@
-"""Promotion while clients keep calling, and API-key authentication, against a redeployed real app.
+"""Promotion while clients keep calling, TLS and API-key authentication, against a redeployed real app.
 
-The module redeploys the Serve application with its own stream (real task data, versions registered in
-MLflow, reindex policy, an API key) on the session's gRPC port, and puts the shared app back afterwards.
+The module restarts Serve with its own stream (real task data, versions registered in MLflow, reindex
+policy, an API key read from a file, TLS with a self-signed certificate) on the session's gRPC port, and puts
+the shared app back afterwards.
 """
 
 import threading
@@ -13,45 +14,87 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clipstream.promotion import promote
 from clipstream.services import app
-from clipstream.services.client import Client
+from clipstream.services.client import Client, channel
 from clipstream.settings import Settings
 from clipstream.training.data.task import Task
 from clipstream.v1 import admin_pb2, admin_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 from tests.conftest import register_version
-from tests.services.conftest import still_needed
+from tests.services.conftest import self_signed, still_needed
 
 KEY = "s3cret-key"
 
 
 @pytest.fixture(scope="module")
 def live(served, stream, tmp_path_factory, request):
-    shared = served[0]
-    settings = Settings(home=tmp_path_factory.mktemp("live") / "home", grpc_port=shared.grpc_port, api_key=KEY,
-                        index_policy="reindex", serve_encoder_cpus=0, serve_search_cpus=0).ensure_dirs()
+    from ray import serve
+
+    shared, root = served[0], tmp_path_factory.mktemp("live")
+    cert, key = self_signed(root / "tls")
+    (root / "api-key").write_text(KEY + "\n")  # as a mounted Secret holds it
+    settings = Settings(home=root / "home", grpc_port=shared.grpc_port, api_key_file=root / "api-key",
+                        tls_cert_file=cert, tls_key_file=key, index_policy="reindex", serve_encoder_cpus=0,
+                        serve_search_cpus=0).ensure_dirs()
     v1 = register_version(settings, seed=11, task_dirs=stream[:1])
     v2 = register_version(settings, seed=12, task_dirs=stream, parent=v1)
     promote(settings, v1)  # gallery of task 0 under v1, then the alias
-    app.start(settings)  # same name and route: Serve replaces the shared app in place
-    yield settings, served[1], (v1, v2)
+    serve.shutdown()  # the proxy listens differently (TLS): it must start again
+    app.start(settings)
+    with channel(f"127.0.0.1:{settings.grpc_port}", tls=True, ca_file=cert) as secure:
+        yield settings, secure, (v1, v2)
+    serve.shutdown()
     if still_needed(request):  # conftest runs this module after the other users of the shared app
         app.start(shared)
 
 
+def client(settings, **kwargs) -> Client:
+    return Client(f"127.0.0.1:{settings.grpc_port}", api_key=KEY, tls=True, ca_file=settings.tls_cert_file, **kwargs)
+
+
+def test_tls_only_with_the_right_certificate(live, tmp_path):
+    settings, _, _ = live
+    with client(settings) as secure:
+        assert secure.health() == "SERVING" and secure.encode_text(["a cup"])[0].shape[0] == 1
+    with Client(f"127.0.0.1:{settings.grpc_port}", api_key=KEY, retries=0, timeout_s=5) as plain:
+        with pytest.raises(grpc.RpcError) as err:
+            plain.health()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # a plaintext client gets no answer
+    other, _ = self_signed(tmp_path / "other")
+    with Client(f"127.0.0.1:{settings.grpc_port}", api_key=KEY, retries=0, timeout_s=5, tls=True, ca_file=other) as fooled:
+        with pytest.raises(grpc.RpcError) as err:
+            fooled.health()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # nor one that trusts another certificate
+
+
+def test_the_cli_speaks_tls(live, capsys, monkeypatch):
+    from clipstream.cli import main
+
+    settings, _, _ = live
+    monkeypatch.setenv("CLIPSTREAM_API_KEY_FILE", str(settings.api_key_file))
+    monkeypatch.setenv("CLIPSTREAM_TLS_CA_FILE", str(settings.tls_cert_file))
+    address = f"127.0.0.1:{settings.grpc_port}"
+    assert main(["health", "--address", address, "--tls"]) == 0
+    assert "SERVING" in capsys.readouterr().out
+    assert main(["encode", "a red cup", "--address", address, "--tls"]) == 0
+    assert "1 vectors" in capsys.readouterr().out
+
+
 def test_without_the_api_key_every_rpc_is_unauthenticated_but_probes_answer(live):
-    settings, channel, _ = live
-    calls = [lambda md: encoder_pb2_grpc.EncoderStub(channel).EncodeText(
+    settings, secure, _ = live
+    calls = [lambda md: encoder_pb2_grpc.EncoderStub(secure).EncodeText(
                  encoder_pb2.EncodeTextRequest(texts=["a cup"]), metadata=md),
-             lambda md: admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.GetStatusRequest(), metadata=md)]
+             lambda md: admin_pb2_grpc.AdminStub(secure).GetStatus(admin_pb2.GetStatusRequest(), metadata=md)]
     for call in calls:
         for metadata in (None, (("x-api-key", "wrong"),)):
             with pytest.raises(grpc.RpcError) as err:
                 call(metadata)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "x-api-key" in err.value.details()
         assert call((("x-api-key", KEY),)) is not None
-    check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="clipstream.v1.Search"))
+    check = health_pb2_grpc.HealthStub(secure).Check(health_pb2.HealthCheckRequest(service="clipstream.v1.Search"))
     assert check.status == health_pb2.HealthCheckResponse.SERVING
-    with Client(f"127.0.0.1:{settings.grpc_port}") as anonymous, pytest.raises(grpc.RpcError):
-        anonymous.search(text="a cup")
+    with Client(f"127.0.0.1:{settings.grpc_port}", tls=True, ca_file=settings.tls_cert_file) as anonymous:
+        with pytest.raises(grpc.RpcError) as err:
+            anonymous.search(text="a cup")
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_promotion_under_continuous_traffic_fails_no_request(live, stream):
@@ -60,14 +103,14 @@ def test_promotion_under_continuous_traffic_fails_no_request(live, stream):
     stop, log, errors = threading.Event(), [], []
 
     def client_loop(kind: str, me: int):
-        with Client(f"127.0.0.1:{settings.grpc_port}", api_key=KEY, retries=0) as client:
+        with client(settings, retries=0) as caller:
             while not stop.is_set():
                 try:
                     if kind == "search":
-                        hits = client.search(text=query, k=5)
+                        hits = caller.search(text=query, k=5)
                         log.append((kind, me, hits[0]["query_model_version"], {h["model_version"] for h in hits}))
                     else:
-                        log.append((kind, me, client.encode_text([query])[1], set()))
+                        log.append((kind, me, caller.encode_text([query])[1], set()))
                 except Exception as exc:  # any failure at all is what this test is about
                     errors.append(repr(exc))
 
