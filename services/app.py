@@ -26,9 +26,13 @@ GRPC_SERVICERS = ["clipstream.v1.encoder_pb2_grpc.add_EncoderServicer_to_server"
 # would bypass the proxy that hosts reflection and health): user code on the replica's own event loop,
 # routers in the caller's loop, gRPC between deployments, buffered access logs. They are read when Ray's
 # processes start, so they go in the environment before `ray.init` (and in the RayService pod env).
+# The message caps: the proxy refuses a request over MAX_REQUEST_BYTES itself (RESOURCE_EXHAUSTED; Ray's default
+# is 2 GiB), and its hop to the replica allows that much plus framing (Ray's default, gRPC's 4 MiB, failed every
+# image over 4 MiB with INTERNAL although the per-image limit, serve_max_image_bytes, is 8 MiB).
 SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
              "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
-             "RAY_SERVE_LOG_TO_STDERR": "0"}
+             "RAY_SERVE_LOG_TO_STDERR": "0", "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": "67108864",  # MAX_REQUEST_BYTES
+             "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": "68157440"}  # + 1 MiB (literals: the chart's tests read them)
 
 
 def serving_environment() -> None:

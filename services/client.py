@@ -24,6 +24,7 @@ from clipstream.v1 import (
 )
 
 API_KEY_HEADER = "x-api-key"  # the metadata key the server checks when Settings.api_key is set
+MAX_REQUEST_BYTES = 64 << 20  # the server's cap on one request message (services/app.py SERVE_ENV)
 SERVICES = ("clipstream.v1.Encoder", "clipstream.v1.Search", "clipstream.v1.Admin", "grpc.health.v1.Health")
 
 
@@ -117,8 +118,8 @@ class Client:
             raise ValueError("nothing to encode")
         vectors, versions = [], set()
         with tqdm(total=len(items), unit="item", disable=not (progress if progress is not None else len(items) > 10 * batch_size)) as bar:
-            for start in range(0, len(items), batch_size):
-                response = call(items[start:start + batch_size])
+            for chunk in _chunks(items, batch_size, MAX_REQUEST_BYTES // 2):
+                response = call(chunk)
                 vectors.append(np.array([e.values for e in response.embeddings], dtype=np.float32))
                 versions.add(response.model_version)
                 bar.update(len(response.embeddings))
@@ -129,3 +130,18 @@ class Client:
 
     def _call(self, method, request):
         return method(request, timeout=self.timeout_s, metadata=self.metadata)
+
+
+def _chunks(items: list, count: int, max_bytes: int):
+    """`items` in requests of at most `count` items and (images) `max_bytes` bytes; a larger single item goes alone,
+    for the server to refuse with its own limit."""
+    chunk, size = [], 0
+    for item in items:
+        n = len(item) if isinstance(item, bytes) else 0
+        if chunk and (len(chunk) == count or size + n > max_bytes):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(item)
+        size += n
+    if chunk:
+        yield chunk

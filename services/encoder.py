@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 import uuid
 from collections import defaultdict
 
@@ -29,6 +30,7 @@ from clipstream.services.client import API_KEY_HEADER
 from clipstream.v1 import admin_pb2, encoder_pb2, search_pb2
 
 logger = logging.getLogger("ray.serve")
+CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # C0 controls (but tab, newline, CR) and DEL
 
 
 class RequestError(Exception):
@@ -178,6 +180,10 @@ class Encoder:
             for i, text in enumerate(items):
                 if not text.strip():
                     raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"text {i} is empty")
+                control = CONTROL.search(text)
+                if control:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"text {i} holds control character "
+                                       f"{control.group()!r} at {control.start()}: send plain text (tabs and newlines are fine)")
                 if len(text) > limits.serve_max_text_chars:
                     raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                        f"text {i} has {len(text)} characters; the limit is {limits.serve_max_text_chars}")

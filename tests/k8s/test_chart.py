@@ -520,5 +520,8 @@ def test_values_schema_knows_every_setting_the_chart_does_not_set_itself():
 
     schema = json.loads((REPO / CHART / "values.schema.json").read_text())
     computed = {"home", "runs_dir", "ray_address", "mlflow_tracking_uri", "qdrant_url", "qdrant_api_key", "api_key",
-                "mlflow_artifact_root", "qdrant_path"}
+                "mlflow_artifact_root", "qdrant_path", "api_key_file", "qdrant_api_key_file"}
+    # `clipstream serve`'s listener (services/binding.py, a setup hook of the Ray it starts): a RayService's proxy
+    # listens on the pod's interfaces, always behind the release's API key; TLS ends at the cluster's ingress
+    computed |= {"grpc_host", "grpc_allow_unauthenticated", "tls_cert_file", "tls_key_file", "tls_ca_file"}
     assert set(schema["properties"]["settings"]["properties"]) == set(Settings.model_fields) - computed

@@ -57,3 +57,11 @@ def test_the_setup_hook_patches_only_when_serve_is_imported():
             "print(getattr(default_impl.add_grpc_address, 'clipstream', False))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "True"]
+
+
+def test_the_message_caps_match_the_clients_request_limit():
+    from clipstream.services.app import SERVE_ENV
+    from clipstream.services.client import MAX_REQUEST_BYTES
+
+    assert int(SERVE_ENV["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]) == MAX_REQUEST_BYTES
+    assert int(SERVE_ENV["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]) > MAX_REQUEST_BYTES  # room for framing

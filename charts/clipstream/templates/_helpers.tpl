@@ -126,6 +126,10 @@ Ray Serve's throughput settings, read when Ray's processes start: services/app.p
   value: "1000"
 - name: RAY_SERVE_LOG_TO_STDERR
   value: "0"
+- name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
+  value: "67108864"
+- name: RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH
+  value: "68157440"
 {{- end }}
 
 {{/* Environment of every Ray container (serving here; `clipstream k8s job` renders the same for training). */}}
