@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Optional, Sequence, Union
@@ -31,6 +33,10 @@ open_clip.add_model_config(CONFIG_DIR)
 CONFIG_FILE = "open_clip_config.json"
 WEIGHTS_FILE = "open_clip_model.safetensors"
 TOKENIZER_FILE = "clipstream_tokenizer.json"  # not tokenizer.json: a Hugging Face tokenizer saves its own under that name
+# The most pixels an image may declare (in its header, read before decoding): far above what a model reads
+# (it downscales to image_size), far below what a few KB of PNG can claim (a decompression bomb). PIL's own
+# limit is ~89M pixels, and above it only a warning up to twice that.
+MAX_IMAGE_PIXELS = 4096 * 4096
 
 
 @dataclass
@@ -93,15 +99,42 @@ class ClipBundle:
 ImageSource = Union[Image.Image, bytes, str, Path, IO[bytes]]
 
 
-def load_image(source: ImageSource) -> Image.Image:
+class ImageTooLarge(ValueError):
+    """An image that declares more pixels than we decode (`load_image`'s `max_pixels`, or PIL's own limit)."""
+
+
+def load_image(source: ImageSource, max_pixels: Optional[int] = MAX_IMAGE_PIXELS) -> Image.Image:
     """An RGB PIL image from a PIL image, encoded bytes (PNG, JPEG, ...), a path or a binary file object.
-    Decoding errors propagate (PIL's UnidentifiedImageError / OSError) for the caller to word."""
-    if isinstance(source, Image.Image):
-        return source.convert("RGB")
+
+    The size is checked from the header, before anything is decoded: more than `max_pixels` (None: only PIL's
+    limit), or more than PIL's decompression-bomb limit, raises ImageTooLarge (a ValueError). Decoding errors
+    propagate (PIL's UnidentifiedImageError / OSError) for the caller to word; truncated data is one of them,
+    never padded (PIL's ImageFile.LOAD_TRUNCATED_IMAGES stays off)."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         source = io.BytesIO(bytes(source))
-    with Image.open(source) as img:
-        return img.convert("RGB")
+    # PIL warns between its limit and twice it, and raises above: both mean "too large" here. Set per call,
+    # not once at import: test runners and other code reset warning filters.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            if isinstance(source, Image.Image):
+                _check_pixels(source.size, max_pixels)
+                return source.convert("RGB")
+            with Image.open(source) as img:
+                _check_pixels(img.size, max_pixels)
+                return img.convert("RGB")
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            found = re.search(r"\((\d+) pixels\)", str(exc))  # PIL: "Image size (N pixels) exceeds limit of M pixels"
+            limit = min(x for x in (max_pixels, Image.MAX_IMAGE_PIXELS) if x)
+            size = f"{int(found.group(1)):,} pixels" if found else "too many pixels"
+            raise ImageTooLarge(f"image has {size}, more than the {limit:,} allowed; downscale it") from exc
+
+
+def _check_pixels(size: tuple[int, int], max_pixels: Optional[int]) -> None:
+    width, height = size
+    if max_pixels is not None and width * height > max_pixels:
+        raise ImageTooLarge(f"image is {width}x{height} ({width * height:,} pixels), more than the {max_pixels:,} "
+                            "allowed; downscale it")
 
 
 def create(arch: str, pretrained: Optional[str] = None) -> ClipBundle:

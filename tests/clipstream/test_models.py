@@ -115,3 +115,70 @@ def test_one_image_loader_for_paths_bytes_files_and_pil_images(tmp_path):
     np.testing.assert_array_equal(bundle.embed_images([path]), bundle.embed_images([data]))
     with pytest.raises(OSError):  # PIL's UnidentifiedImageError: callers word it for their users
         models.load_image(b"not an image")
+
+
+def _png_declaring(width: int, height: int) -> bytes:
+    """A PNG whose header declares width x height pixels (a one-row body): a decompression bomb's header,
+    made in microseconds."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * (width + 1)))
+            + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("width, height, shown", [
+    (5000, 5000, "5000x5000"),  # above our limit, below PIL's
+    (10000, 10000, "100,000,000 pixels"),  # where PIL only warns
+    (20000, 20000, "400,000,000 pixels"),  # where PIL raises DecompressionBombError
+])
+def test_an_image_declaring_too_many_pixels_is_refused_before_decoding(tmp_path, width, height, shown):
+    import warnings
+
+    data = _png_declaring(width, height)
+    (tmp_path / "big.png").write_bytes(data)
+    for source in (data, tmp_path / "big.png", io.BytesIO(data)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # PIL's DecompressionBombWarning is an error here, never a printed warning
+            with pytest.raises(models.ImageTooLarge, match=f"{shown}.*more than the 16,777,216 allowed; downscale"):
+                models.load_image(source)
+    assert issubclass(models.ImageTooLarge, ValueError)  # the encoder answers ValueErrors with INVALID_ARGUMENT
+
+
+def test_the_pixel_limit_is_an_argument_and_matches_checking_data():
+    from clipstream.training.data import task
+
+    assert models.MAX_IMAGE_PIXELS == task.MAX_IMAGE_PIXELS == 4096 * 4096
+    data = _png_declaring(64, 64)
+    assert models.load_image(data).size == (64, 64)
+    with pytest.raises(models.ImageTooLarge, match="64x64 .*4,095 allowed"):
+        models.load_image(data, max_pixels=4095)
+    with pytest.raises(models.ImageTooLarge, match="40x40"):
+        models.load_image(Image.new("RGB", (40, 40)), max_pixels=100)
+    assert models.load_image(_png_declaring(5000, 5000), max_pixels=None).size == (5000, 5000)
+
+
+def test_truncated_images_raise_and_are_never_padded():
+    from PIL import ImageFile
+
+    import clipstream.training.data.reader  # noqa: F401  (what the data path imports, open_clip included)
+    assert not ImageFile.LOAD_TRUNCATED_IMAGES
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(buf, "PNG")
+    with pytest.raises(OSError, match="(?i)truncated"):
+        models.load_image(buf.getvalue()[: len(buf.getvalue()) // 2])
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), "red").save(buf, "JPEG")
+    with pytest.raises(OSError, match="(?i)truncated"):
+        models.load_image(buf.getvalue()[: len(buf.getvalue()) // 2])
+
+
+def test_empty_and_one_pixel_images():
+    with pytest.raises(OSError):  # PIL's UnidentifiedImageError
+        models.load_image(b"")
+    buf = io.BytesIO()
+    Image.new("RGB", (1, 1), "red").save(buf, "PNG")
+    assert models.load_image(buf.getvalue()).getpixel((0, 0)) == (255, 0, 0)

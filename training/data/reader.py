@@ -56,6 +56,8 @@ def _prepare(batch: dict, *, root: str, preprocess: str, augment: bool, tokenize
             torch.manual_seed(zlib.crc32(f"{seed}:{batch['id'][i]}".encode()))
         try:
             images.append(transform(load_image(batch_image(batch, i, root))).numpy())
+        except DataError as exc:  # its path leads out of the task directory: refused as that, never read
+            raise DataError(f"task {root}: id {str(batch['id'][i])!r}: {exc}") from exc
         except Exception as exc:  # the file changed after the task was checked
             raise DataError(f"task {root}: cannot decode image of id {batch['id'][i]!r}: {exc}") from exc
     captions = [str(batch["caption"][i]) for i in keep]
@@ -70,7 +72,8 @@ def _prepare(batch: dict, *, root: str, preprocess: str, augment: bool, tokenize
 
 
 def batch_image(batch: dict, i: int, root: str):
-    """Row i's image in a batch of `read_split` rows: its bytes or its path (`image_source`)."""
+    """Row i's image in a batch of `read_split` rows: its bytes or its path (`image_source`, which refuses a
+    path out of the task directory with a DataError, as checking the task does)."""
     return image_source(root, batch["image"][i], batch["image_bytes"][i] if "image_bytes" in batch else None)
 
 
@@ -89,17 +92,22 @@ def read_split(task: Task, split: str, cpus: float = 1.0) -> ray.data.Dataset:
 
 
 def _from_webdataset(batch: dict) -> dict:
-    import json
-
     n = len(batch["__key__"])
     image_col = next(c for c in ("png", "jpg", "jpeg", "webp") if c in batch)
     captions = []
     for i in range(n):
+        where = f"{batch['__url__'][i] if '__url__' in batch else 'shard'}:{batch['__key__'][i]}"  # as Task.check names it
         txt = batch["txt"][i] if "txt" in batch else None
-        if isinstance(txt, (bytes, bytearray)):  # a sample without KEY.txt holds None or NaN here
-            captions.append(bytes(txt).decode("utf-8").strip())
-        else:
-            captions.append(json.loads(bytes(batch["json"][i]))["caption"])
+        try:
+            if isinstance(txt, (bytes, bytearray)):  # a sample without KEY.txt holds None or NaN here
+                captions.append(bytes(txt).decode("utf-8").strip())
+            else:
+                captions.append(json.loads(bytes(batch["json"][i]).decode("utf-8"))["caption"])
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{where}: its caption is not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} at byte "
+                            f"{exc.start + 1}); save it as UTF-8") from exc
+        except (ValueError, KeyError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
+            raise DataError(f"{where}: no caption: neither a UTF-8 .txt nor a .json object with 'caption' ({exc!r})") from exc
     ids = [str(k).rsplit("/", 1)[-1] for k in batch["__key__"]]
     return {"id": np.array(ids), "image": np.array([f"{k}.{image_col}" for k in batch["__key__"]]),
             "caption": np.array(captions), "image_bytes": np.array([bytes(b) for b in batch[image_col]], dtype=object)}

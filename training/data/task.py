@@ -7,18 +7,38 @@ Pairs are JSONL or CSV rows `{id, image, caption[, label, lang]}` (image paths r
 directory) or WebDataset shards (`KEY.png|jpg|jpeg|webp` + `KEY.txt` or `KEY.json` with a caption).
 Every problem is reported with the file and row it comes from, so a bad row is fixed in minutes, and
 a training job never meets it halfway through an epoch.
+
+A task directory is input from whoever made it, so it is held to rules that keep it from reaching out of
+the directory or crashing a job:
+- every path in it (a row's `image`, a split's file pattern) stays inside it: absolute paths, `..` that
+  climbs out, and symlinks (to a file or a folder on the way) that point out are refused, always, whatever
+  `on_bad_image` says (a manifest that reaches out is hostile, not a corrupt image). The decision is read
+  from the path, before looking for the file, so the error is the same whether the outside file exists.
+  In a task given by URI (no symlinks there) every `..` is refused. WebDataset member names are keys inside
+  the shard, not paths: they are not subject to this.
+- the task's `name` is 1-64 letters, digits, `.`, `_` or `-`, starting with a letter or digit, without
+  `..`: it becomes MLflow tags, index payloads, alias names and paths.
+- text is UTF-8 (a leading BOM is allowed), and the text fields of a row (id, image, caption, caption_en,
+  label, lang) hold no control characters but tab: a NUL or a newline inside a caption breaks tokenizers,
+  CSV tools and one-line logs.
+- an image is at most `MAX_IMAGE_PIXELS` pixels (read from its header, before decoding: a few KB of PNG can
+  declare gigapixels).
 """
 
 from __future__ import annotations
 
+import codecs
 import csv
 import glob
 import hashlib
 import io
 import json
+import os
+import re
 import tarfile
+import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Iterator, Literal, Optional
 
 import yaml
@@ -27,10 +47,20 @@ from PIL import Image
 BadImagePolicy = Literal["fail", "skip"]
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
 KINDS = ("domain", "language")
+NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # and no ".." (see Task.load)
+TEXT_FIELDS = ("id", "image", "caption", "caption_en", "label", "lang")
+CONTROL_CHARS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # C0 controls and DEL; tab is allowed
+# The same limit as clipstream.models.MAX_IMAGE_PIXELS, which a model's loader applies; not imported from
+# there, as that module loads torch and open_clip (~10 s) and checking data needs neither (a test keeps them equal).
+MAX_IMAGE_PIXELS = 4096 * 4096
 
 
 class DataError(ValueError):
     """A task that cannot be used as given; the message names the file (and row)."""
+
+
+class UnsafePath(DataError):
+    """A path in a task that leads out of its directory: an error under any `on_bad_image` policy."""
 
 
 def location(path: str | Path):
@@ -75,22 +105,36 @@ class Task:
             raise DataError(f"{root}: task directory not found")
         if not manifest.is_file():
             raise DataError(f"{manifest}: missing task.yaml (a task is a directory with task.yaml and its pairs)")
+        data = manifest.read_bytes()
         try:
-            meta = yaml.safe_load(manifest.read_text()) or {}
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = data.count(b"\n", 0, exc.start) + 1
+            raise DataError(f"{manifest}:{line}: not valid UTF-8 (byte 0x{data[exc.start]:02x}); save it as UTF-8") from exc
+        try:
+            meta = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
-            raise DataError(f"{manifest}: not valid YAML: {exc}") from exc
+            mark = getattr(exc, "problem_mark", None)  # the line, and the problem without PyYAML's multi-line layout
+            where = f"{manifest}:{mark.line + 1}" if mark is not None else f"{manifest}"
+            raise DataError(f"{where}: not valid YAML: {_one_line(getattr(exc, 'problem', None) or exc)}") from exc
         if not isinstance(meta, dict):
             raise DataError(f"{manifest}: expected a mapping, got {type(meta).__name__}")
         for key in ("name", "splits"):
             if key not in meta:
                 raise DataError(f"{manifest}: missing required key {key!r}")
+        name = meta["name"]
+        if isinstance(name, bool) or not isinstance(name, (str, int)) or not NAME_RULE.fullmatch(str(name)) \
+                or ".." in str(name):
+            raise DataError(f"{manifest}: task name {name!r} is not allowed: use 1-64 letters, digits, '.', '_' or "
+                            "'-', starting with a letter or digit, without '..' (the name becomes MLflow tags, index "
+                            "payloads, alias names and paths)")
         kind = meta.get("kind", "domain")
         if kind not in KINDS:
             raise DataError(f"{manifest}: kind must be one of {KINDS}, got {kind!r}")
         if not isinstance(meta["splits"], dict) or not meta["splits"]:
             raise DataError(f"{manifest}: splits must map split names to files")
-        splits = {name: _split(manifest, name, spec) for name, spec in meta["splits"].items()}
-        return cls(str(meta["name"]), kind, root, splits, meta.get("index"), meta)
+        splits = {split: _split(manifest, split, spec) for split, spec in meta["splits"].items()}
+        return cls(str(name), kind, root, splits, meta.get("index"), meta)
 
     def split(self, name: str) -> Split:
         if name not in self.splits:
@@ -105,12 +149,22 @@ class Task:
         for where, row in _read_rows(self.split(split)):
             if not row.get("id"):
                 raise DataError(f"{where}: missing id")
+            if isinstance(row["id"], bool) or not isinstance(row["id"], (str, int)):
+                raise DataError(f"{where}: id must be a string, got {type(row['id']).__name__}")
+            control = _control_char(row)
+            if control:
+                raise DataError(f"{where}: {control}")
             if row["id"] in seen:
                 raise DataError(f"{where}: duplicate id {row['id']!r} (first at {seen[row['id']]})")
             seen[row["id"]] = where
+            if not isinstance(row.get("caption") or "", str):
+                raise DataError(f"{where}: caption must be a string, got {type(row['caption']).__name__} (id {row['id']!r})")
             if not str(row.get("caption") or "").strip():
                 raise DataError(f"{where}: empty caption for id {row['id']!r}")
-            problem = self._image_problem(row)
+            try:
+                problem = self._image_problem(row)
+            except DataError as exc:  # an image path out of the directory: an error whatever the policy
+                raise DataError(f"{where}: {exc} (id {row['id']!r})") from exc
             if problem:
                 if on_bad_image == "fail":
                     raise DataError(f"{where}: {problem} (id {row['id']!r}; pass on_bad_image='skip' to skip such rows)")
@@ -137,10 +191,19 @@ class Task:
         if source is None or isinstance(source, Path) and not source.is_file():
             return f"image not found: {self.root / str(row['image'])}"
         try:
-            with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
-                img.verify()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)  # PIL only warns up to twice its limit
+                with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
+                    width, height = img.size  # from the header: nothing is decoded yet
+                    if width * height > MAX_IMAGE_PIXELS:
+                        return (f"image {row.get('image')} too large: {width}x{height} pixels, more than the "
+                                f"{MAX_IMAGE_PIXELS:,} a model reads; downscale it")
+                    img.verify()
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            return (f"image {row.get('image')} too large: {_pixels(exc)} pixels, more than the {MAX_IMAGE_PIXELS:,} "
+                    "a model reads; downscale it")
         except Exception as exc:  # PIL raises many types for corrupt data
-            return f"corrupt image {row.get('image')}: {exc}"
+            return f"corrupt image {row.get('image')}: {_one_line(exc)}"
         return None
 
     def data_sha(self) -> str:
@@ -153,6 +216,8 @@ class Task:
                     source = self.image(row) if row.get("image_bytes") is not None or row.get("image") else b""
                 except FileNotFoundError:
                     source = b""
+                except DataError as exc:  # a path out of the directory is never read
+                    raise DataError(f"{where}: {exc}") from exc
                 data = source if isinstance(source, bytes) else source.read_bytes() if source.is_file() else b""
                 digest.update(hashlib.sha256(data).digest())
         return digest.hexdigest()
@@ -160,21 +225,103 @@ class Task:
 
 def image_source(root: str | Path, image: Optional[str], image_bytes: Optional[bytes] = None) -> bytes | Path:
     """The one rule for where a row's image is, for rows (`Task.image`) and Ray Data batches alike: the bytes
-    a shard carries, the local file, or the bytes of the remote file (FileNotFoundError if it is not there)."""
+    a shard carries, the local file, or the bytes of the remote file (FileNotFoundError if it is not there).
+    A path that leads out of the task directory raises UnsafePath (`_inside`), before the file is looked for."""
     if image_bytes is not None:
         return bytes(image_bytes)
-    path = location(root) / str(image)
+    if not isinstance(image, str):
+        raise DataError(f"image must be a path relative to the task directory, got {type(image).__name__} {image!r}")
+    path = _inside(root, str(image), "image")  # str: Ray Data hands numpy strings
     return path if isinstance(path, Path) else path.read_bytes()
 
 
+def _inside(root: str | Path, rel: str, what: str):
+    """`root / rel`, refused with UnsafePath when it leads out of the task directory `root`: when it is absolute
+    or a URI, when `..` climbs out of it (in a task given by URI: any `..`), or, on a local filesystem, when it
+    resolves out of it through a symlink (to the file or to a folder on the way). Decided from the path and the
+    task's own symlinks, before looking for the file: the answer is the same whether the outside file exists."""
+    base = location(root)
+    if CONTROL_CHARS.search(rel):
+        raise DataError(f"{what} path {rel!r} contains a control character; rename the file")
+    local = _local(base)
+    reason = _climbs_out(rel, local is not None)
+    if reason is None and local is not None:
+        try:
+            if not (local / rel).resolve().is_relative_to(local.resolve()):
+                reason = "a symlink on the way points out of it"
+        except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError before Python 3.13)
+            raise DataError(f"{what} path {rel!r} cannot be resolved: {exc}") from exc
+    if reason:
+        raise UnsafePath(f"{what} path {rel!r} leaves the task directory {base}: {reason}; paths in a task are "
+                         "relative to its directory and stay inside it")
+    return base / rel
+
+
+def _local(base) -> Optional[Path]:
+    """The local folder of a task directory (a path, or a file:// URI), None for a remote filesystem."""
+    if isinstance(base, Path):
+        return base
+    return Path(base.path) if base.protocol in ("file", "local") else None
+
+
+def _climbs_out(rel: str, local: bool) -> Optional[str]:
+    """Why `rel` leaves its directory, read from the string alone, or None."""
+    if "://" in rel:
+        return "it is a URI"
+    if PurePosixPath(rel).is_absolute():
+        return "it is absolute"
+    if os.path.normpath(rel).split("/")[0] == "..":
+        return "'..' climbs out of it"
+    if not local and ".." in PurePosixPath(rel).parts:  # no symlinks to resolve against there: no '..' at all
+        return "'..' is not allowed in a task given by URI"
+    return None
+
+
+def _control_char(row: dict) -> Optional[str]:
+    """A row's first text field holding a control character (all but tab), described, or None."""
+    for key in TEXT_FIELDS:
+        value = row.get(key)
+        found = CONTROL_CHARS.search(value) if isinstance(value, str) else None
+        if found:
+            return (f"{key} of id {str(row.get('id'))!r} holds control character U+{ord(found.group()):04X} at "
+                    f"position {found.start()}: text fields are one line without control characters (tab is "
+                    "allowed); remove it or replace it with a space")
+    return None
+
+
+def _pixels(exc: Exception) -> str:
+    """The pixel count in PIL's decompression-bomb message ("Image size (N pixels) exceeds ...")."""
+    found = re.search(r"\((\d+) pixels\)", str(exc))
+    return f"{int(found.group(1)):,}" if found else "too many"
+
+
+def _one_line(detail) -> str:
+    """A message part on one line: the CLI reports an error as one line."""
+    return " ".join(str(detail).split())
+
+
 def _split(manifest: Path, name: str, spec) -> Split:
-    pattern = spec if isinstance(spec, str) else (spec or {}).get("path")
+    pattern = spec.get("path") if isinstance(spec, dict) else spec
     if not pattern:
         raise DataError(f"{manifest}: split {name!r} names no file")
+    if not isinstance(pattern, str):
+        raise DataError(f"{manifest}: split {name!r}: expected a file name or pattern, got {type(pattern).__name__}")
+    root = manifest.parent
+    reason = _climbs_out(pattern, _local(root) is not None)
+    if reason:  # before matching: what lies outside is never listed
+        raise UnsafePath(f"{manifest}: split {name!r}: pattern {pattern!r} leaves the task directory {root}: {reason}; "
+                         "split files are given relative to the task directory and stay inside it")
     if isinstance(manifest, Path):
-        files = tuple(Path(p) for p in sorted(glob.glob(str(manifest.parent / pattern))))
+        files = tuple(Path(p) for p in sorted(glob.glob(str(root / pattern))))
     else:
-        files = tuple(sorted(manifest.parent.glob(pattern), key=str))
+        files = tuple(sorted(root.glob(pattern), key=str))
+    local = _local(root)
+    if local is not None:  # a match may still be a symlink out
+        for f in files:
+            try:
+                _inside(root, str(Path(f if isinstance(f, Path) else f.path).relative_to(local)), f"split {name!r} file")
+            except DataError as exc:
+                raise UnsafePath(f"{manifest}: {exc}") from exc
     if not files:
         raise DataError(f"{manifest}: split {name!r}: no file matches {manifest.parent / pattern}")
     suffixes = {f.suffix.lower() for f in files}
@@ -188,27 +335,54 @@ def _read_rows(split: Split) -> Iterator[tuple[str, dict]]:
     """Yield (`file:line` or `shard:key`, row) for every pair of a split."""
     for path in split.files:
         if split.format == "jsonl":
-            with path.open(encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise DataError(f"{path}:{lineno}: not valid JSON: {exc.msg}") from exc
-                    if not isinstance(row, dict):
-                        raise DataError(f"{path}:{lineno}: expected a JSON object")
-                    yield f"{path}:{lineno}", row
+            for lineno, line in _lines(path):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{lineno}: not valid JSON: {exc.msg}") from exc
+                if not isinstance(row, dict):
+                    raise DataError(f"{path}:{lineno}: expected a JSON object")
+                yield f"{path}:{lineno}", _not_bytes(row, f"{path}:{lineno}")
         elif split.format == "csv":
-            with path.open(encoding="utf-8", newline="") as f:
-                reader = csv.DictReader(f)
+            reader = csv.DictReader(line for _, line in _lines(path))
+            try:
                 missing = {"id", "image", "caption"} - set(reader.fieldnames or ())
                 if missing:
                     raise DataError(f"{path}:1: CSV header lacks {sorted(missing)}")
-                for lineno, row in enumerate(reader, 2):
-                    yield f"{path}:{lineno}", {k: v for k, v in row.items() if v not in (None, "")}
+                for row in reader:
+                    where = f"{path}:{reader.reader.line_num}"  # the physical line the row ends on
+                    if None in row:  # DictReader keeps the fields beyond the header under None
+                        raise DataError(f"{where}: {len(row[None])} more field(s) than the header "
+                                        f"{reader.fieldnames}; quote fields that hold commas")
+                    yield where, _not_bytes({k: v for k, v in row.items() if v not in (None, "")}, where)
+            except csv.Error as exc:
+                raise DataError(f"{path}:{reader.reader.line_num}: not valid CSV: {exc}") from exc  # (DictReader's lags)
         else:
             yield from _read_shard(path)
+
+
+def _lines(path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a text file, read as bytes and decoded line by line: bytes that are not UTF-8
+    are reported with their line (Python's own error names only an offset). A leading BOM is dropped."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8):]
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} "
+                                "of the line); save the file as UTF-8") from exc
+
+
+def _not_bytes(row: dict, where: str) -> dict:
+    """A JSONL or CSV row, refused if it sets `image_bytes`: those are the image a WebDataset shard carries."""
+    if "image_bytes" in row:
+        raise DataError(f"{where}: 'image_bytes' is reserved for images inside WebDataset shards; give the image "
+                        "as a file path in 'image'")
+    return row
 
 
 def _read_shard(path: Path) -> Iterator[tuple[str, dict]]:
@@ -227,10 +401,25 @@ def _read_shard(path: Path) -> Iterator[tuple[str, dict]]:
                 if ext in IMAGE_EXTS:
                     sample["image"], sample["image_bytes"] = member.name, data
                 elif ext == "txt":
-                    sample["caption"] = data.decode("utf-8").strip()
+                    sample["caption"] = _shard_text(data, f"{path}:{key}", member.name).strip()
                 elif ext == "json":
-                    sample.update({k: v for k, v in json.loads(data).items() if k in ("caption", "label", "lang", "id")})
+                    try:
+                        meta = json.loads(_shard_text(data, f"{path}:{key}", member.name))
+                    except json.JSONDecodeError as exc:
+                        raise DataError(f"{path}:{key}: {member.name} is not valid JSON: {exc.msg}") from exc
+                    if not isinstance(meta, dict):
+                        raise DataError(f"{path}:{key}: {member.name}: expected a JSON object")
+                    sample.update({k: v for k, v in meta.items() if k in ("caption", "label", "lang", "id")})
     except tarfile.TarError as exc:
         raise DataError(f"{path}: not a readable WebDataset shard: {exc}") from exc
     for key, sample in samples.items():
         yield f"{path}:{key}", sample
+
+
+def _shard_text(data: bytes, where: str, member: str) -> str:
+    """A shard member's text, or a DataError naming `shard:key` when it is not UTF-8."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{where}: {member} is not valid UTF-8 (byte 0x{data[exc.start]:02x} at byte "
+                        f"{exc.start + 1}); save it as UTF-8") from exc

@@ -4,6 +4,7 @@ import io
 import json
 import re
 import tarfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -463,3 +464,276 @@ def test_a_webdataset_task_by_uri(tmp_path):
     (root / "task.yaml").write_text(yaml.safe_dump({"name": "w", "splits": {"train": "shards/*.tar"}}))
     rows = Task.load(root.as_uri()).check("train").rows
     assert [r["caption"] for r in rows] == ["caption 0", "caption 1", "caption 2"]
+
+
+# --- paths that leave the task directory (refused under any policy, from the path alone) ---------------
+
+def png_declaring(width: int, height: int) -> bytes:
+    """A PNG whose header declares width x height pixels (a one-row image body): what a decompression bomb
+    shows before decoding, made in microseconds."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit greyscale
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * (width + 1)))
+            + chunk(b"IEND", b""))
+
+
+def _task_with_rows(root: Path, rows: list[dict], fmt: str = "jsonl") -> Path:
+    """make_task, for rows whose image may lie outside `root` (not written then)."""
+    make_task(root, {"train": [r for r in rows if not r["image"].startswith(("/", ".."))]}, fmt=fmt)
+    (root / f"train.{fmt}").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+@pytest.mark.parametrize("policy", ["fail", "skip"])
+@pytest.mark.parametrize("image, reason", [
+    ("../outside.png", "'..' climbs out of it"),
+    ("images/../../outside.png", "'..' climbs out of it"),
+    ("/etc/hostname", "it is absolute"),
+    ("file:///etc/hostname", "it is a URI"),
+])
+def test_an_image_path_out_of_the_task_is_refused_whatever_the_policy(tmp_path, image, reason, policy):
+    (tmp_path / "outside.png").write_bytes(png_bytes(0))  # it exists: still refused
+    root = _task_with_rows(tmp_path / "t", [*default_rows(1), dict(default_rows(2)[1], image=image)])
+    msg = raises([f"{root / 'train.jsonl'}:2: image path {image!r} leaves the task directory {root}", reason,
+                  "'train-1'"], Task.load(root).check, "train", on_bad_image=policy)
+    assert "skip" not in msg  # not a bad image that skipping would cure
+
+
+def test_a_symlink_out_gives_the_same_message_whether_or_not_its_target_exists(tmp_path):
+    root = make_task(tmp_path / "t")
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(png_bytes(0))
+    link = root / "images/train/1.png"
+    link.unlink()
+    link.symlink_to(secret)
+    task = Task.load(root)
+    expected = [f"{root / 'train.jsonl'}:2: image path 'images/train/1.png' leaves the task directory {root}",
+                "a symlink on the way points out of it"]
+    exists = raises(expected, task.check, "train")
+    secret.unlink()
+    assert raises(expected, task.check, "train", on_bad_image="skip") == exists  # no oracle for outside files
+    with pytest.raises(DataError, match="leaves the task directory"):
+        task.data_sha()
+
+
+def test_a_symlinked_folder_out_is_refused_and_one_inside_is_fine(tmp_path):
+    root = make_task(tmp_path / "t")
+    (root / "images/train").rename(tmp_path / "elsewhere")
+    (root / "images/train").symlink_to(tmp_path / "elsewhere")
+    raises([f"{root / 'train.jsonl'}:1: image path 'images/train/0.png' leaves the task directory",
+            "symlink"], Task.load(root).check, "train")
+    (root / "images/train").unlink()
+    (tmp_path / "elsewhere").rename(root / "real")
+    (root / "images/train").symlink_to(root / "real")  # a symlink that stays inside
+    assert len(Task.load(root).check("train").rows) == 4
+
+
+def test_a_dotdot_that_stays_inside_is_fine(tmp_path):
+    rows = default_rows(2)
+    make_task(tmp_path / "t", {"train": rows})
+    rows[1]["image"] = "images/../images/train/./1.png"
+    (tmp_path / "t/train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert len(Task.load(tmp_path / "t").check("train").rows) == 2
+
+
+def test_a_path_out_is_refused_for_a_task_by_uri_and_in_ray_data_batches(tmp_path):
+    from clipstream.training.data.task import UnsafePath, image_source
+
+    root = make_task(tmp_path / "t")
+    for image in ("../t/images/train/0.png", "/etc/hostname", "images/../images/train/0.png"):
+        with pytest.raises(UnsafePath, match="leaves the task directory"):
+            image_source("memory://bucket/t", image)
+    with pytest.raises(UnsafePath, match="'..' climbs out of it"):
+        image_source(root.as_uri(), "../t/images/train/0.png")
+    (root / "link.png").symlink_to("/etc/hostname")
+    with pytest.raises(UnsafePath, match="symlink"):  # file:// is the local filesystem: its symlinks count
+        image_source(root.as_uri(), "link.png")
+    with pytest.raises(UnsafePath, match="symlink"):
+        image_source(str(root), "link.png")
+    assert image_source(str(root), "images/train/0.png") == root / "images/train/0.png"
+    # WebDataset member names are keys inside the shard, never opened as paths
+    assert image_source(str(root), "../../x.png", b"bytes") == b"bytes"
+
+
+@pytest.mark.parametrize("pattern, reason", [
+    ("../other/*.jsonl", "'..' climbs out of it"), ("/tmp/*.jsonl", "it is absolute"),
+    ("s3://bucket/*.jsonl", "it is a URI"), ("shards/../../*.jsonl", "'..' climbs out of it"),
+])
+def test_a_split_pattern_out_of_the_task_is_refused(tmp_path, pattern, reason):
+    make_task(tmp_path / "other")
+    root = make_task(tmp_path / "t", meta={"splits": {"train": pattern}})
+    raises([root / "task.yaml", "'train'", f"pattern {pattern!r} leaves the task directory", reason], Task.load, root)
+
+
+def test_a_split_file_that_is_a_symlink_out_is_refused(tmp_path):
+    other = make_task(tmp_path / "other")
+    root = make_task(tmp_path / "t", meta={"splits": {"train": "*.jsonl"}})
+    (root / "z.jsonl").symlink_to(other / "train.jsonl")
+    raises([root / "task.yaml", "'train'", "z.jsonl", "leaves the task directory", "symlink"], Task.load, root)
+
+
+# --- task names -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["a/b", "..", "a..b", "../evil", "-dash-first", ".hidden", "x" * 65, "with space",
+                                  "tab\t", "", "ünïcode", ["a"], None, True])
+def test_task_names_outside_the_rule_are_refused(tmp_path, name):
+    root = make_task(tmp_path / "t", name=name)
+    raises([root / "task.yaml", f"task name {name!r} is not allowed", "letters, digits"], Task.load, root)
+
+
+@pytest.mark.parametrize("name", ["t", "task-00-household", "zero-shot-toys", "task-03-lang-xa", "v1.0_x", "x" * 64,
+                                  2024])
+def test_task_names_within_the_rule_load(tmp_path, name):
+    assert Task.load(make_task(tmp_path / "t", name=name)).name == str(name)
+
+
+def test_every_synthetic_task_name_is_within_the_rule(tmp_path):
+    from clipstream.training.data.synth import DOMAINS, HELD_OUT, LANG_CODES
+    from clipstream.training.data.task import NAME_RULE
+
+    names = [f"task-{i:02d}-{d}{i // len(DOMAINS) + 1 if i >= len(DOMAINS) else ''}"
+             for i, d in enumerate(list(DOMAINS) * 3)]
+    names += ["task-99-digits", f"zero-shot-{HELD_OUT[0]}", *(f"task-{i:02d}-lang-{c}" for i, c in enumerate(LANG_CODES))]
+    assert all(NAME_RULE.fullmatch(n) and ".." not in n for n in names), names
+
+
+# --- text: UTF-8 and no control characters ------------------------------------------------------------
+
+def test_non_utf8_jsonl_row_names_its_line(tmp_path):
+    root = make_task(tmp_path / "t")
+    lines = (root / "train.jsonl").read_bytes().splitlines(keepends=True)
+    lines[2] = lines[2].replace(b"number 2", b"num\xe9ro 2")  # Latin-1, not UTF-8
+    (root / "train.jsonl").write_bytes(b"".join(lines))
+    raises([f"{root / 'train.jsonl'}:3: not valid UTF-8", "0xe9", "save the file as UTF-8"],
+           Task.load(root).check, "train")
+
+
+def test_non_utf8_csv_row_names_its_line(tmp_path):
+    root = make_task(tmp_path / "c", fmt="csv")
+    data = (root / "train.csv").read_bytes().replace(b"number 3", b"num\xff 3")
+    (root / "train.csv").write_bytes(data)
+    raises([f"{root / 'train.csv'}:5: not valid UTF-8", "0xff"], Task.load(root).check, "train")
+
+
+def test_a_utf8_bom_is_accepted(tmp_path):
+    for fmt in ("jsonl", "csv"):
+        root = make_task(tmp_path / fmt, fmt=fmt)
+        path = root / f"train.{fmt}"
+        path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+        assert Task.load(root).check("train").rows == default_rows(4)
+
+
+def test_non_utf8_task_yaml_names_its_line(tmp_path):
+    root = make_task(tmp_path / "t")
+    (root / "task.yaml").write_bytes(b"name: t\ndescription: caf\xe9\nsplits: {train: train.jsonl}\n")
+    raises([f"{root / 'task.yaml'}:2: not valid UTF-8"], Task.load, root)
+
+
+def test_invalid_yaml_names_its_line_on_one_line(tmp_path):
+    root = make_task(tmp_path / "t")
+    (root / "task.yaml").write_text("name: t\nsplits: {train: train.jsonl\n")
+    msg = raises([f"{root / 'task.yaml'}:", "not valid YAML"], Task.load, root)
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("field, value", [("caption", "a red\x00cup"), ("caption", "two\nlines"),
+                                          ("caption", "bell\x07"), ("id", "train-\x1b1"), ("caption_en", "a\rb"),
+                                          ("caption", "del\x7f")])
+def test_control_characters_in_text_fields_are_refused(tmp_path, field, value):
+    rows = default_rows(3)
+    rows[2][field] = value
+    root = make_task(tmp_path / "t", {"train": rows})
+    raises([f"{root / 'train.jsonl'}:3: {field} of id", f"U+{ord(next(c for c in value if ord(c) < 32 or ord(c) == 127)):04X}",
+            "control character"], Task.load(root).check, "train", on_bad_image="skip")
+
+
+def test_a_tab_in_a_caption_is_fine(tmp_path):
+    rows = default_rows(2)
+    rows[0]["caption"] = "a red\tcup"
+    assert Task.load(make_task(tmp_path / "t", {"train": rows})).check("train").rows == rows
+
+
+def test_a_nul_in_a_csv_caption_names_its_line(tmp_path):
+    root = make_task(tmp_path / "c", fmt="csv")
+    (root / "train.csv").write_bytes((root / "train.csv").read_bytes().replace(b"number 1", b"num\x00ber 1"))
+    raises([f"{root / 'train.csv'}:3: caption of id 'train-1'", "U+0000"], Task.load(root).check, "train")
+
+
+def test_csv_rows_with_more_fields_than_the_header_or_broken_quoting(tmp_path):
+    root = make_task(tmp_path / "c", fmt="csv")
+    (root / "train.csv").write_text("id,image,caption\ntrain-0,images/train/0.png,fine\n"
+                                    "train-1,images/train/1.png,red, green\n")
+    raises([f"{root / 'train.csv'}:3", "more field(s) than the header", "quote"], Task.load(root).check, "train")
+    (root / "train.csv").write_text("id,image,caption\ntrain-0,images/train/0.png," + "x" * 200_000 + "\n")
+    raises([f"{root / 'train.csv'}:2", "not valid CSV"], Task.load(root).check, "train")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("id", ["a"], "id must be a string"), ("caption", ["a"], "caption must be a string"),
+    ("image", 7, "image must be a path"), ("image_bytes", "QUJD", "'image_bytes' is reserved"),
+])
+def test_rows_with_fields_of_the_wrong_type_are_refused(tmp_path, field, value, message):
+    rows = default_rows(2)
+    root = make_task(tmp_path / "t", {"train": rows})
+    rows[1][field] = value
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raises([f"{root / 'train.jsonl'}:2", message], Task.load(root).check, "train", on_bad_image="skip")
+
+
+def test_webdataset_text_that_is_not_utf8_or_json_names_shard_and_key(tmp_path):
+    root = tmp_path / "w"
+    root.mkdir()
+    (root / "task.yaml").write_text(yaml.safe_dump({"name": "w", "splits": {"train": "train.tar"}}))
+    for extra, message in [({"txt": b"caf\xe9"}, "k1.txt is not valid UTF-8"),
+                           ({"json": b'{"caption": "caf\xe9"}'}, "k1.json is not valid UTF-8"),
+                           ({"json": b"{not json"}, "k1.json is not valid JSON"),
+                           ({"json": b'["a"]'}, "k1.json: expected a JSON object")]:
+        shard = write_shard(root / "train.tar", [("k0", png_bytes(0), {"txt": b"fine"}), ("k1", png_bytes(1), extra)])
+        raises([f"{shard}:k1: {message}"], Task.load(root).check, "train")
+
+
+# --- images: size limit, truncation ---------------------------------------------------------------------
+
+def test_an_image_declaring_too_many_pixels_is_a_bad_image(tmp_path):
+    from clipstream.training.data.task import MAX_IMAGE_PIXELS
+
+    root = make_task(tmp_path / "t")
+    (root / "images/train/1.png").write_bytes(png_declaring(5000, 5000))  # above ours, below PIL's limit
+    (root / "images/train/2.png").write_bytes(png_declaring(20000, 20000))  # above PIL's (an error there)
+    (root / "images/train/3.png").write_bytes(png_declaring(10000, 10000))  # between PIL's warning and error
+    assert len(png_declaring(20000, 20000)) < 100_000
+    task = Task.load(root)
+    raises([f"{root / 'train.jsonl'}:2: image images/train/1.png too large: 5000x5000 pixels",
+            f"{MAX_IMAGE_PIXELS:,}", "downscale"], task.check, "train")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no DecompressionBombWarning leaks out
+        check = task.check("train", on_bad_image="skip")
+    assert check.skipped_ids == {"train-1", "train-2", "train-3"}
+    assert "400,000,000 pixels" in check.skipped[1] and "100,000,000 pixels" in check.skipped[2]
+
+
+@pytest.mark.parametrize("cut", [0.5, 0.9])
+def test_a_truncated_png_is_a_corrupt_image(tmp_path, cut):
+    root = make_task(tmp_path / "t")
+    data = png_bytes(1, size=64)
+    (root / "images/train/1.png").write_bytes(data[:int(len(data) * cut)])
+    raises([f"{root / 'train.jsonl'}:2: corrupt image images/train/1.png", "runcated"], Task.load(root).check, "train")
+
+
+def test_a_one_pixel_image_is_fine(tmp_path):
+    root = make_task(tmp_path / "t")
+    (root / "images/train/1.png").write_bytes(png_bytes(1, size=1))
+    assert len(Task.load(root).check("train").rows) == 4
+
+
+
+def test_a_symlink_loop_is_an_error_not_a_crash(tmp_path):
+    root = make_task(tmp_path / "t")
+    (root / "images/train/1.png").unlink()
+    (root / "images/train/1.png").symlink_to("1.png")
+    raises([f"{root / 'train.jsonl'}:2: image path 'images/train/1.png' cannot be resolved"],
+           Task.load(root).check, "train", on_bad_image="skip")
