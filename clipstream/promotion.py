@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from clipstream.indexing import put_lineage
-from clipstream.registry import PRODUCTION, Registry, RegistryError, Version
+from clipstream.registry import PRODUCTION, LockHeld, Registry, RegistryError, Version
 from clipstream.settings import Settings
 
 SPLIT = "test"  # the gallery split the serving index holds
@@ -63,11 +63,22 @@ def check_gates(registry: Registry, candidate: Version, production: Version | No
 
 
 def promote(settings: Settings, ref: str, *, force: bool = False, reason: str = "promote", index: bool = True) -> dict:
-    """Gates (against the version last put in place), then the gallery (settings.index_policy), then the alias,
-    then the history record.
+    """Under the stream's lock: gates (against the version last put in place), then the gallery
+    (settings.index_policy), then the history record (pending), the alias, and the record marked done.
 
-    A failed gate refuses unless `force`; a failed indexing leaves the alias where it was."""
+    A failed gate refuses unless `force`; a failed indexing leaves the alias where it was. A promotion killed at
+    any step converges when run again: the gallery step is idempotent, and a record left pending counts exactly
+    when the alias reached its version (Registry.settle_promotions). A second promotion while one runs is refused."""
     registry = Registry(settings)
+    try:
+        with registry.lock("promotion"):
+            registry.settle_promotions()
+            return _promote(settings, registry, ref, force, reason, index)
+    except LockHeld as exc:
+        raise PromotionError(f"not promoted: {exc}") from exc
+
+
+def _promote(settings: Settings, registry: Registry, ref: str, force: bool, reason: str, index: bool) -> dict:
     candidate = registry.resolve(ref)
     production = _in_place(registry)
     gates = check_gates(registry, candidate, production, settings)
@@ -78,11 +89,12 @@ def promote(settings: Settings, ref: str, *, force: bool = False, reason: str = 
             + " (use --force to promote anyway)", gates)
     forced = bool(failed) and reason == "promote"  # a rollback bypasses gates by design: not "forced"
     state = put_lineage(settings, candidate, SPLIT) if index else None
-    registry.set_alias(PRODUCTION, candidate.version)
     record = {"from_version": production.version if production else "", "to_version": candidate.version,
               "reason": "force" if forced else reason, "user": getpass.getuser(),
               "time": datetime.now(timezone.utc).isoformat(timespec="microseconds"), "forced": forced}
     record["run_id"] = registry.record_promotion({**record, "gates": [asdict(g) for g in gates]})
+    registry.set_alias(PRODUCTION, candidate.version)
+    registry.finish_promotion(record["run_id"])
     return {**record, "gates": gates, "index": state}
 
 

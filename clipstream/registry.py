@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 import time
 from contextlib import contextmanager
@@ -33,7 +34,8 @@ PRODUCTION = "production"  # the alias serving follows
 CANDIDATE = "candidate"  # the alias every newly registered version gets
 MANIFEST = "clipstream.json"  # lineage, matrix and config inside each version's checkpoint folder
 ARTIFACT = "checkpoint"  # the pyfunc artifact that holds the open_clip folder
-PROMOTION_TAGS = ("from_version", "to_version", "reason", "user", "time", "forced", "gates")
+PROMOTION_TAGS = ("from_version", "to_version", "reason", "user", "time", "forced", "gates", "state")
+PENDING, DONE, ABORTED = "pending", "done", "aborted"  # a promotion record's state (see Registry.record_promotion)
 
 
 DEFAULT_LANGUAGE = "en"  # of a task whose task.yaml names no `lang` (the synthetic domains, most caption sets)
@@ -49,6 +51,10 @@ class RegistryError(LookupError):
 
 class NoSuchVersion(RegistryError):
     """The reference is well formed but names no version (yet: `resolve(wait_s=...)` waits for it)."""
+
+
+class LockHeld(RuntimeError):
+    """Another process holds the registry lock; the message names who, since when, and how to clear a stale one."""
 
 
 class ClipEmbedder(mlflow.pyfunc.PythonModel):
@@ -251,22 +257,84 @@ class Registry:
         for key, value in tags.items():
             self.client.set_model_version_tag(self.name, str(version), key, str(value))
 
+    # ---- the promotion lock -------------------------------------------------------------------------------
+    @contextmanager
+    def lock(self, purpose: str, stale_s: float = 3600.0) -> Iterator[None]:
+        """Hold the stream's lock for `purpose` (promotions serialise on it). The lock is a registered model named
+        STREAM-lock: MLflow creates a name once (a unique key in its database, SQLite or a server's), so two
+        processes cannot both create it, and it shows in the MLflow UI while held. A holder that died (its pid gone
+        on this host) or held it past `stale_s` is taken over."""
+        name = f"{self.name}-lock"
+        me = {"purpose": purpose, "host": socket.gethostname(), "pid": str(os.getpid()), "since": str(time.time())}
+        for _ in range(2):
+            try:
+                self.client.create_registered_model(name, tags=me, description=f"held by a clipstream {purpose}")
+                break
+            except MlflowException as exc:
+                if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                held = self._holder(name)
+                if held is not None and not _stale(held, stale_s):
+                    raise LockHeld(f"another {held.get('purpose', 'promotion')} holds the stream's lock (pid "
+                                   f"{held.get('pid')} on {held.get('host')}, for {time.time() - float(held.get('since', 0)):.0f} s): "
+                                   f"wait for it; if it died on another machine, delete registered model {name!r} in MLflow") from None
+                self._delete_model(name)  # a dead holder's: take it over (once)
+        else:
+            raise LockHeld(f"could not take the stream's lock {name!r}: another process keeps taking it")
+        try:
+            yield
+        finally:
+            self._delete_model(name)
+
+    def _holder(self, name: str) -> Optional[dict]:
+        try:
+            return dict(self.client.get_registered_model(name).tags)
+        except MlflowException:
+            return None  # released meanwhile
+
+    def _delete_model(self, name: str) -> None:
+        try:
+            self.client.delete_registered_model(name)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+
     # ---- promotion history -------------------------------------------------------------------------------
     @property
     def promotions_experiment(self) -> str:
         return f"{self.name}-promotions"
 
     def record_promotion(self, record: dict) -> str:
-        """One finished run per promotion, its fields (PROMOTION_TAGS) as tags; `gates` a JSON-ready list."""
-        tags = {k: json.dumps(v) if k == "gates" else str(v) for k, v in record.items() if k in PROMOTION_TAGS}
+        """One run per promotion, its fields (PROMOTION_TAGS) as tags; `gates` a JSON-ready list. Written before the
+        alias moves, in state `pending`, and marked `done` after (`finish_promotion`): a promotion killed in between
+        leaves a pending record that the next one settles from where the alias points (`settle_promotions`)."""
+        tags = {k: json.dumps(v) if k == "gates" else str(v) for k, v in {**record, "state": PENDING}.items()
+                if k in PROMOTION_TAGS}
         before = f"v{record['from_version']}" if record["from_version"] else "none"
         name = f"{record['reason']} {before} -> v{record['to_version']}"
-        run = self.client.create_run(self.experiment_id(self.promotions_experiment), tags=tags, run_name=name)
-        self.client.set_terminated(run.info.run_id)
-        return run.info.run_id
+        return self.client.create_run(self.experiment_id(self.promotions_experiment), tags=tags, run_name=name).info.run_id
 
-    def promotions(self) -> list[dict]:
-        """Every recorded promotion, oldest first: PROMOTION_TAGS (`forced` a bool, `gates` a list) + run_id."""
+    def finish_promotion(self, run_id: str, state: str = DONE) -> None:
+        self.client.set_tag(run_id, "state", state)
+        self.client.set_terminated(run_id, "FINISHED" if state == DONE else "KILLED")
+
+    def settle_promotions(self) -> None:
+        """Mark every pending record done if the alias reached its version, else aborted (call under the lock)."""
+        pending = [r for r in self.promotions(settled=False) if r["state"] == PENDING]
+        if not pending:
+            return
+        try:
+            current = self.number(PRODUCTION)
+        except RegistryError:
+            current = ""
+        for record in pending:
+            last = record is pending[-1]
+            self.finish_promotion(record["run_id"], DONE if last and record["to_version"] == current else ABORTED)
+
+    def promotions(self, settled: bool = True) -> list[dict]:
+        """Every recorded promotion that took effect, oldest first: PROMOTION_TAGS (`forced` a bool, `gates` a list)
+        + run_id. An unsettled last record (its promotion killed or still running) counts when the alias reached
+        its version; `settled=False` returns every record as stored."""
         found = self.client.get_experiment_by_name(self.promotions_experiment)
         if not found:
             return []
@@ -279,4 +347,33 @@ class Registry:
                 break
         records = [{**{k: r.data.tags.get(k, "") for k in PROMOTION_TAGS}, "forced": r.data.tags.get("forced") == "True",
                     "gates": json.loads(r.data.tags.get("gates", "[]")), "run_id": r.info.run_id} for r in runs]
-        return sorted(records, key=lambda r: r["time"])
+        records = sorted(records, key=lambda r: r["time"])
+        for r in records:
+            r["state"] = r["state"] or DONE  # (recorded before records had states: after the alias moved)
+        if not settled:
+            return records
+        if records and records[-1]["state"] == PENDING:
+            try:
+                reached = self.number(PRODUCTION) == records[-1]["to_version"]
+            except RegistryError:
+                reached = False
+            records[-1]["state"] = DONE if reached else ABORTED
+        return [r for r in records if r["state"] == DONE]
+
+
+def _stale(holder: dict, stale_s: float) -> bool:
+    """A lock holder that is gone: a pid no longer alive on this host, or older than `stale_s`."""
+    if time.time() - float(holder.get("since") or 0) > stale_s:
+        return True
+    if holder.get("host") != socket.gethostname():
+        return False
+    try:
+        pid = int(holder.get("pid") or 0)
+        if pid <= 0:
+            return False
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, ValueError):
+        return False
+    return False
