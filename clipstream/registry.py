@@ -57,16 +57,6 @@ class LockHeld(RuntimeError):
     """Another process holds the registry lock; the message names who, since when, and how to clear a stale one."""
 
 
-class ClipEmbedder(mlflow.pyfunc.PythonModel):
-    """The registered artifact as an MLflow pyfunc: captions in, L2-normalised text embeddings out."""
-
-    def load_context(self, context):
-        self.bundle = models.load_exported(context.artifacts[ARTIFACT])
-
-    def predict(self, context, model_input: list[str], params=None) -> list[list[float]]:
-        return self.bundle.embed_texts(list(model_input)).tolist()
-
-
 @dataclass
 class Version:
     """A registered model version; `folder` and `manifest` once its checkpoint folder is downloaded."""
@@ -153,8 +143,10 @@ class Registry:
                 "languages": ",".join(_languages(lineage)),
                 "tokenizer": (manifest.get("tokenizer") or {}).get("sha", ""),
                 "image_tower": manifest.get("image_tower") or ""}
-        info = mlflow.pyfunc.log_model(name="model", python_model=str(Path(__file__).with_name("mlflow_model.py")),
-                                       artifacts={ARTIFACT: str(checkpoint)}, pip_requirements=["clipstream"])
+        with tempfile.TemporaryDirectory() as code:
+            info = mlflow.pyfunc.log_model(name="model", python_model=str(Path(__file__).with_name("mlflow_model.py")),
+                                           artifacts={ARTIFACT: str(checkpoint)}, code_paths=[_own_code(Path(code))],
+                                           pip_requirements=pyfunc_requirements())
         version = mlflow.register_model(info.model_uri, self.name, tags={k: str(v) for k, v in tags.items()}).version
         self.set_alias(alias, str(version))
         return str(version)
@@ -377,3 +369,31 @@ def _stale(holder: dict, stale_s: float) -> bool:
     except (PermissionError, ValueError):
         return False
     return False
+
+
+# What loading the pyfunc imports (clipstream/mlflow_model.py: MLflow, the model and its tokenizer), pinned to
+# the versions that made the model. clipstream itself travels as code (`code_paths`), never as a requirement:
+# "clipstream" on the public index is someone else's package.
+PYFUNC_DISTRIBUTIONS = ("mlflow", "torch", "torchvision", "open_clip_torch", "transformers", "safetensors", "pillow",
+                        "numpy")
+
+
+def pyfunc_requirements() -> list[str]:
+    from importlib.metadata import version
+
+    return [f"{name}=={version(name).split('+')[0]}" for name in PYFUNC_DISTRIBUTIONS]
+
+
+def _own_code(staging: Path) -> str:
+    """This installed clipstream package as one folder (the repository maps training/ and services/ into it),
+    without benchmarks or caches: what a registered model's pyfunc imports."""
+    from importlib.util import find_spec  # where the packages are, without importing the layers above this one
+
+    target = staging / "clipstream"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "benchmarks")
+    shutil.copytree(Path(models.__file__).parent, target, ignore=ignore)
+    for package in ("training", "services"):
+        if not (target / package).exists():  # (a source checkout: the folder lives beside clipstream/, not in it)
+            shutil.copytree(find_spec(f"clipstream.{package}").submodule_search_locations[0], target / package,
+                            ignore=ignore)
+    return str(target)

@@ -1,7 +1,9 @@
 """Artifacts are data, never code: a method state planted in a registered version runs nothing when a job reads
 it (issue 14, security)."""
 
+import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,3 +53,33 @@ def pathlib_path(p):
     import pathlib
 
     return pathlib.Path(p)
+
+
+def test_the_registered_pyfunc_brings_its_own_code_and_pins_only_public_dependencies(settings):
+    """Restoring a version's environment must not install "clipstream" from the public index (someone else's
+    package): the project travels as the model's code, and the requirements are pinned public packages."""
+    import subprocess
+    import sys
+
+    import mlflow
+
+    from clipstream.registry import Registry
+    from tests.conftest import register_version
+
+    version = register_version(settings, seed=5)
+    registry = Registry(settings)
+    folder = mlflow.artifacts.download_artifacts(registry.client.get_model_version_download_uri(settings.stream, version),
+                                                 tracking_uri=settings.mlflow_tracking_uri)
+    requirements = (Path(folder) / "requirements.txt").read_text().split()
+    assert requirements and all("==" in r for r in requirements), requirements
+    assert not [r for r in requirements if r.split("==")[0].lower() in ("clipstream", "mlflow-skinny") and r != "mlflow"]
+    code = Path(folder) / "code" / "clipstream"
+    for module in ("models.py", "mlflow_model.py", "training/job.py", "services/encoder.py", "model_configs"):
+        assert (code / module).exists(), module
+    assert not (code / "benchmarks").exists()
+    # and it loads as a stock pyfunc in a fresh process
+    script = (f"import mlflow; m = mlflow.pyfunc.load_model({f'models:/{settings.stream}/{version}'!r}); "
+              "print(len(m.predict(['a red cube'])[0]))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "MLFLOW_TRACKING_URI": settings.mlflow_tracking_uri})
+    assert out.stdout.strip().splitlines()[-1] == "64", out.stderr[-2000:]
