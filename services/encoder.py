@@ -111,6 +111,20 @@ class Encoder:
             self._check_language(version, language)
         return version, await self._encode((version, modality, inputs))
 
+    async def ready(self) -> dict[str, bool]:
+        """What the health service reports: the Encoder is ready with the production model loaded (loaded now if it
+        is not), Search with a gallery indexed, Admin when Search answers."""
+        try:
+            await self.model(self._version(""))
+            encoder = True
+        except Exception:  # no production version yet, or it does not load
+            encoder = False
+        try:
+            search, admin = await self.search.ready.remote(), True
+        except Exception:
+            search = admin = False
+        return {"clipstream.v1.Encoder": encoder, "clipstream.v1.Search": encoder and search, "clipstream.v1.Admin": admin}
+
     async def BatchSizes(self, request=None) -> list[int]:
         return list(self.batches_seen)
 

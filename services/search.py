@@ -75,6 +75,10 @@ class Search:
                            model_version=h.model_version, index_generation=h.index_generation, caption=h.caption or "")
             for h in hits])
 
+    async def ready(self) -> bool:
+        """Whether searches can be answered: a gallery is indexed."""
+        return bool(self.index.state()["tasks"])
+
     async def status(self) -> admin_pb2.Status:
         state, problems = self.index.state(), []
         try:

@@ -73,6 +73,18 @@ def self_signed(folder, host: str = "127.0.0.1"):
     return cert_file, key_file
 
 
+def wait_serving(channel, timeout_s: float = 60.0) -> None:
+    """Until the server's health is SERVING (its proxy refreshes it every second once a model and a gallery are in place)."""
+    import time
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub, deadline = health_pb2_grpc.HealthStub(channel), time.monotonic() + timeout_s
+    while stub.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline, "the server never became SERVING"
+        time.sleep(0.25)
+
+
 def png(colour) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (40, 40), colour).save(buf, format="PNG")

@@ -99,11 +99,13 @@ def test_cli_search_and_encode_print_tables_and_statuses(served, indexed, capsys
     assert "NOT_FOUND: unknown task 'nope'" in capsys.readouterr().err
 
 
-def test_cli_health_is_a_probe(served, capsys):
+def test_cli_health_is_a_probe(served, indexed, capsys):
     """`clipstream health` (the Helm chart's test pod runs it): exit 0 and SERVING for the server and each
-    service; an unknown service is the server's NOT_FOUND, exit 2."""
+    service once a model and a gallery are in place; an unknown service is the server's NOT_FOUND, exit 2."""
     from clipstream.cli import main
+    from tests.services.conftest import wait_serving
 
+    wait_serving(served[1])
     address = f"127.0.0.1:{served[0].grpc_port}"
     assert main(["health", "--address", address]) == 0
     assert main(["health", "--address", address, "--service", "clipstream.v1.Search"]) == 0

@@ -14,7 +14,7 @@ from clipstream.registry import Registry
 from clipstream.services import app
 from clipstream.v1 import encoder_pb2
 from tests.services.conftest import png as _png
-from tests.services.conftest import set_production
+from tests.services.conftest import set_production, wait_serving
 
 
 def _vectors(response):
@@ -81,11 +81,12 @@ def test_concurrent_requests_are_batched(served):
     assert max(sizes) > 1
 
 
-def test_health_and_reflection_work_without_our_stubs(served):
+def test_health_and_reflection_work_without_our_stubs(served, indexed):
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     _, channel, _, (v1, _) = served
+    wait_serving(channel)  # a production model and a gallery are in place
     health = health_pb2_grpc.HealthStub(channel)
     for service in ("", "clipstream.v1.Encoder"):
         assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from clipstream.promotion import promote
 from clipstream.services import app
 from clipstream.services.client import Client, channel
+from clipstream.services.health import SERVICES
 from clipstream.settings import Settings
 from clipstream.training.data.task import Task
 from clipstream.v1 import admin_pb2, admin_pb2_grpc, encoder_pb2, encoder_pb2_grpc
@@ -36,14 +37,36 @@ def live(served, stream, tmp_path_factory, request):
                         serve_search_cpus=0).ensure_dirs()
     v1 = register_version(settings, seed=11, task_dirs=stream[:1])
     v2 = register_version(settings, seed=12, task_dirs=stream, parent=v1)
-    promote(settings, v1)  # gallery of task 0 under v1, then the alias
     serve.shutdown()  # the proxy listens differently (TLS): it must start again
-    app.start(settings)
+    app.start(settings)  # nothing promoted, nothing indexed yet: see test_health_tells_the_truth
     with channel(f"127.0.0.1:{settings.grpc_port}", tls=True, ca_file=cert) as secure:
-        yield settings, secure, (v1, v2)
+        statuses_before = health_of(secure)
+        promote(settings, v1)  # gallery of task 0 under v1, then the alias
+        wait_for_health(secure, "SERVING")
+        yield settings, secure, (v1, v2), statuses_before
     serve.shutdown()
     if still_needed(request):  # conftest runs this module after the other users of the shared app
         app.start(shared)
+
+
+def health_of(secure) -> dict[str, str]:
+    stub = health_pb2_grpc.HealthStub(secure)
+    return {name: health_pb2.HealthCheckResponse.ServingStatus.Name(
+        stub.Check(health_pb2.HealthCheckRequest(service=name)).status) for name in ("", *SERVICES)}
+
+
+def wait_for_health(secure, status: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while set(health_of(secure).values()) != {status}:
+        assert time.monotonic() < deadline, f"health never became {status}: {health_of(secure)}"
+        time.sleep(0.25)
+
+
+def test_health_tells_the_truth(live):
+    """NOT_SERVING while no model and no gallery are in place (the app was running, nothing promoted), SERVING
+    once promotion put them there (the fixture waited for it)."""
+    *_, before = live
+    assert set(before.values()) == {"NOT_SERVING"}, before
 
 
 def client(settings, **kwargs) -> Client:
@@ -51,7 +74,7 @@ def client(settings, **kwargs) -> Client:
 
 
 def test_tls_only_with_the_right_certificate(live, tmp_path):
-    settings, _, _ = live
+    settings, *_ = live
     with client(settings) as secure:
         assert secure.health() == "SERVING" and secure.encode_text(["a cup"])[0].shape[0] == 1
     with Client(f"127.0.0.1:{settings.grpc_port}", api_key=KEY, retries=0, timeout_s=5) as plain:
@@ -68,7 +91,7 @@ def test_tls_only_with_the_right_certificate(live, tmp_path):
 def test_the_cli_speaks_tls(live, capsys, monkeypatch):
     from clipstream.cli import main
 
-    settings, _, _ = live
+    settings, *_ = live
     monkeypatch.setenv("CLIPSTREAM_API_KEY_FILE", str(settings.api_key_file))
     monkeypatch.setenv("CLIPSTREAM_TLS_CA_FILE", str(settings.tls_cert_file))
     address = f"127.0.0.1:{settings.grpc_port}"
@@ -79,7 +102,7 @@ def test_the_cli_speaks_tls(live, capsys, monkeypatch):
 
 
 def test_without_the_api_key_every_rpc_is_unauthenticated_but_probes_answer(live):
-    settings, secure, _ = live
+    settings, secure, *_ = live
     calls = [lambda md: encoder_pb2_grpc.EncoderStub(secure).EncodeText(
                  encoder_pb2.EncodeTextRequest(texts=["a cup"]), metadata=md),
              lambda md: admin_pb2_grpc.AdminStub(secure).GetStatus(admin_pb2.GetStatusRequest(), metadata=md)]
@@ -98,7 +121,7 @@ def test_without_the_api_key_every_rpc_is_unauthenticated_but_probes_answer(live
 
 
 def test_promotion_under_continuous_traffic_fails_no_request(live, stream):
-    settings, _, (v1, v2) = live
+    settings, _, (v1, v2), _ = live
     query = Task.load(stream[0]).check("test").rows[0]["caption"]
     stop, log, errors = threading.Event(), [], []
 
@@ -137,3 +160,13 @@ def test_promotion_under_continuous_traffic_fails_no_request(live, stream):
     for me in range(len(threads)):  # each client sees a single switch, never back
         seen = [v for _, who, v, _ in log if who == me]
         assert seen == sorted(seen, key=lambda v: v == v2), seen
+
+
+def test_health_is_not_serving_while_the_app_drains(live):
+    """Last in the module: deleting the application (what an upgrade or a shutdown does) turns health NOT_SERVING
+    before the replicas are gone."""
+    from ray import serve
+
+    _, secure, *_ = live
+    serve.delete(app.APP, _blocking=False)
+    wait_for_health(secure, "NOT_SERVING", timeout_s=30)
