@@ -135,6 +135,7 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
                 or alias in (PRODUCTION, CANDIDATE):
             raise ValueError(f"alias {alias!r}: use letters, digits, '_' and '-' (not 'v<number>', 'latest', "
                              f"{PRODUCTION!r} or {CANDIDATE!r})")
+    methods.resolve(method, overrides)  # a bad preset or --set fails here, before anything is written
     settings = (settings or Settings()).ensure_dirs()
     registry = Registry(settings)
     plan = prepare(registry, task_dir, method, parent, workers, overrides, wait_parent_s, zero_shot)
