@@ -115,6 +115,12 @@ def _serve(args) -> None:
     app.serving_environment()
     init_ray(settings)
     app.start(settings)
+    if not args.no_follow:  # a production alias moved in MLflow gets its gallery, then serving switches
+        import threading
+
+        from clipstream.promotion import follow_forever
+
+        threading.Thread(target=follow_forever, args=(settings,), daemon=True, name="follow-production").start()
     where = binding.address(settings.grpc_host, settings.grpc_port)
     print(f"serving {', '.join(SERVICES)} on {where} ({'TLS' if settings.tls else 'plaintext'}; reflection and "
           f"grpc.health.v1 on{'; API key required' if settings.secret('api_key') else ''}); Ctrl-C stops", flush=True)
@@ -252,6 +258,24 @@ def _print_promotion(result: dict) -> None:
     before = f"v{result['from_version']}" if result["from_version"] else "none"
     forced = " (forced past failed gates)" if result["forced"] else ""
     print(f"production: {before} -> v{result['to_version']} [{result['reason']}]{forced}")
+
+
+def _follow(args) -> None:
+    from clipstream.promotion import follow, follow_forever
+
+    settings = Settings()
+    if not args.once:
+        print(f"following alias production of stream {settings.stream!r} every {args.interval:g} s; Ctrl-C stops",
+              flush=True)
+        try:
+            return follow_forever(settings, args.interval)
+        except KeyboardInterrupt:
+            return None
+    result = follow(settings)
+    if result is None:
+        print("production is where the last promotion put it: nothing to do")
+    else:
+        _print_promotion(result)
 
 
 def _history(args) -> None:
@@ -402,12 +426,19 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--no-index", action="store_true", help="move the alias without putting the gallery in place")
     pr.set_defaults(func=_promote)
     sub.add_parser("history", help="every promotion and rollback, oldest first").set_defaults(func=_history)
+    fo = sub.add_parser("follow", help="honour a production alias moved in MLflow: index its gallery (serving "
+                        "switches then) and record it in the history (`serve` does this unless --no-follow)")
+    fo.add_argument("--once", action="store_true", help="check once and exit (default: every --interval seconds)")
+    fo.add_argument("--interval", type=float, default=5.0, help="seconds between checks (default 5)")
+    fo.set_defaults(func=_follow)
     rb = sub.add_parser("rollback", help="return production to the version before the last promotion")
     rb.add_argument("--no-index", action="store_true", help="move the alias without putting the gallery in place")
     rb.set_defaults(func=_rollback)
 
     sv = sub.add_parser("serve", help="serve gRPC Encoder and Search on Ray Serve (port from Settings)")
     sv.add_argument("--replicas", type=int, help="Encoder replicas (default: Settings serve_replicas)")
+    sv.add_argument("--no-follow", action="store_true", help="do not follow a production alias moved in MLflow (by "
+                    "default the server indexes that version's gallery, then switches, and records it; see `follow`)")
     sv.set_defaults(func=_serve)
     en = sub.add_parser("encode", help="embed texts or images through the running service")
     en.add_argument("text", nargs="*")

@@ -71,7 +71,7 @@ def promote(settings: Settings, ref: str, *, force: bool = False, reason: str = 
     when the alias reached its version (Registry.settle_promotions). A second promotion while one runs is refused."""
     registry = Registry(settings)
     try:
-        with registry.lock("promotion"):
+        with registry.lock(f"{reason} to {ref}"):
             registry.settle_promotions()
             return _promote(settings, registry, ref, force, reason, index)
     except LockHeld as exc:
@@ -87,15 +87,46 @@ def _promote(settings: Settings, registry: Registry, ref: str, force: bool, reas
         raise PromotionError(f"version {candidate.version} not promoted: " + "; ".join(
             f"{g.name} {_fmt(g.value)} vs threshold {_fmt(g.threshold)} ({g.detail})" for g in failed)
             + " (use --force to promote anyway)", gates)
-    forced = bool(failed) and reason == "promote"  # a rollback bypasses gates by design: not "forced"
+    forced = bool(failed) and reason != "rollback"  # a rollback bypasses gates by design: not "forced"
     state = put_lineage(settings, candidate, SPLIT) if index else None
     record = {"from_version": production.version if production else "", "to_version": candidate.version,
-              "reason": "force" if forced else reason, "user": getpass.getuser(),
+              "reason": "force" if forced and reason == "promote" else reason, "user": getpass.getuser(),
               "time": datetime.now(timezone.utc).isoformat(timespec="microseconds"), "forced": forced}
     record["run_id"] = registry.record_promotion({**record, "gates": [asdict(g) for g in gates]})
     registry.set_alias(PRODUCTION, candidate.version)
     registry.finish_promotion(record["run_id"])
     return {**record, "gates": gates, "index": state}
+
+
+def follow(settings: Settings) -> dict | None:
+    """Honour a production alias moved outside `clipstream promote` (MLflow's client or UI): put that version's
+    gallery in place and record the promotion (reason `mlflow`; `forced` when its gates fail: the move is the
+    registry user's decision, recorded, not undone). Serving switches its query encoder only then (Search
+    follows the gallery's pin, not the alias). None when the alias is where the last promotion put it."""
+    registry = Registry(settings)
+    production = _production(registry, download=False)
+    records = registry.promotions()
+    in_place = records[-1]["to_version"] if records else None
+    if production is None or production.version == in_place:
+        return None
+    result = promote(settings, production.version, force=True, reason="mlflow")
+    return result
+
+
+def follow_forever(settings: Settings, interval_s: float = 5.0, stop=None) -> None:
+    """`follow` every `interval_s` until `stop` (a threading.Event) is set; a failure is reported and retried."""
+    import logging
+    import threading
+
+    stop = stop or threading.Event()
+    while not stop.wait(interval_s):
+        try:
+            result = follow(settings)
+            if result:
+                logging.getLogger(__name__).warning("production moved outside clipstream to v%s: gallery in place, "
+                                                    "recorded", result["to_version"])
+        except Exception as exc:  # the data gone, the registry down, another promotion running: try again later
+            logging.getLogger(__name__).warning("could not follow production: %s", exc)
 
 
 def history(settings: Settings) -> list[dict]:

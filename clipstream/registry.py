@@ -278,6 +278,10 @@ class Registry:
         finally:
             self._delete_model(name)
 
+    def lock_holder(self) -> Optional[dict]:
+        """Who holds the stream's lock (purpose, host, pid, since), None when nobody does."""
+        return self._holder(f"{self.name}-lock")
+
     def _holder(self, name: str) -> Optional[dict]:
         try:
             return dict(self.client.get_registered_model(name).tags)

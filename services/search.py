@@ -89,9 +89,13 @@ class Search:
         if not state["tasks"]:
             problems.append("the index is empty: run `clipstream index` or `clipstream promote`")
         query = state.get("query_version") or ""
-        if production and query and production != query:
+        holder = self.registry.lock_holder()
+        if holder:  # a promotion (or a follower honouring an alias moved in MLflow) is putting a gallery in place
+            problems.append(f"{holder.get('purpose', 'a promotion')} in progress (pid {holder.get('pid')} on "
+                            f"{holder.get('host')}): queries stay with v{query or '-'} until its gallery is in place")
+        elif production and query and production != query:
             problems.append(f"production is v{production} but the gallery serves queries for v{query}: "
-                            f"promote with `clipstream promote {production}` to put its gallery in place")
+                            f"`clipstream follow --once` (or a server's follower) puts its gallery in place")
         if production:
             missing = [t for t in self.registry.resolve(production, download=False).tasks if t not in state["tasks"]]
             if missing:

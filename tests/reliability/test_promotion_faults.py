@@ -105,3 +105,21 @@ def test_a_held_lock_refuses_and_a_dead_holders_lock_is_taken_over(settings, two
         "purpose": "promotion", "host": os.uname().nodename, "pid": dead.stdout.strip(), "since": "9e12"})
     promote(settings, v2)  # its holder is gone: the lock is taken over
     assert agree(settings) == v2
+
+
+def test_a_production_alias_moved_in_mlflow_is_followed_index_first_and_recorded(settings, two, capsys):
+    """The way MLflow users promote (its client or UI) bypasses gates and indexing: the follower (`clipstream
+    follow`, run by `clipstream serve`) puts the gallery in place, and only then do queries switch."""
+    from mlflow import MlflowClient
+
+    from clipstream.cli import main
+    from clipstream.promotion import follow
+
+    v1, v2 = two
+    MlflowClient(settings.mlflow_tracking_uri).set_registered_model_alias(settings.stream, "production", v2)
+    with open_index(settings) as index:
+        assert index.state()["query_version"] == v1  # Search follows the gallery's pin: still v1's queries
+    assert main(["follow", "--once"]) == 0
+    assert f"production: v{v1} -> v{v2} [mlflow]" in capsys.readouterr().out
+    assert agree(settings) == v2
+    assert history(settings)[-1]["reason"] == "mlflow" and follow(settings) is None  # done, and only once

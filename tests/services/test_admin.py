@@ -2,6 +2,7 @@
 the gallery when the production alias moves on its own."""
 
 from clipstream.cli import main
+from clipstream.registry import Registry
 from clipstream.v1 import admin_pb2, admin_pb2_grpc, encoder_pb2, search_pb2
 from tests.services.conftest import set_production
 
@@ -37,6 +38,9 @@ def test_an_alias_moved_outside_promotion_does_not_switch_search_and_status_says
         status = admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.GetStatusRequest())
         assert (status.production_version, status.query_version, status.consistent) == (v2, v1, False)
         assert any(f"production is v{v2} but the gallery serves queries for v{v1}" in p for p in status.problems)
+        with Registry(settings).lock(f"mlflow to {v2}"):  # what a follower holds while it indexes v2's gallery
+            status = admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.GetStatusRequest())
+        assert any(f"mlflow to {v2} in progress" in p and f"queries stay with v{v1}" in p for p in status.problems)
     finally:
         set_production(settings, stub, v1)
 
