@@ -10,4 +10,5 @@ BENCHMARKS = {
     "method-step": "method_step",  # each method's training step against finetune's, same batches
     "train-throughput": "train_throughput",  # the task job against a plain PyTorch open_clip loop
     "grpc-encode": "grpc_encode",  # gRPC encoding through Ray Serve against the in-process model
+    "reliability": "reliability",  # serving under load and faults; every fault and bad input with its outcome
 }

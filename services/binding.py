@@ -8,8 +8,10 @@ the port, and the proxy acknowledges what it bound, so `confirm` can fail loudly
 way (Serve already running, Ray started without the hook). Other ports (the replicas' internal gRPC servers)
 bind as Ray binds them.
 
-Importing Serve costs ~2 s, and every Ray worker (training, Ray Data tasks) runs the setup hook: the patch is
-applied only when a process imports that module.
+The same hook makes the proxy answer UNAVAILABLE (retried by the client's retry policy) rather than INTERNAL
+for a request whose replica died before answering (`_patch_status`). Importing Serve costs ~2 s, and every Ray
+worker (training, Ray Data tasks) runs the setup hook: the patches are applied only when a process imports
+those modules.
 """
 
 from __future__ import annotations
@@ -83,27 +85,84 @@ def confirm(settings, timeout_s: float = 10.0) -> str:
 
 
 def install() -> None:
-    """Ray's `worker_process_setup_hook`: patch the proxy's bind when (if ever) this process imports it."""
-    if TARGET in sys.modules:
-        _patch(sys.modules[TARGET])
-    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    """Ray's `worker_process_setup_hook`: patch Serve's proxy when (if ever) this process imports it."""
+    pending = [name for name in PATCHES if name not in sys.modules]
+    for name in set(PATCHES) - set(pending):
+        PATCHES[name](sys.modules[name])
+    if pending and not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport(pending))
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def __init__(self, names):
+        self.pending = set(names)
+
     def find_spec(self, name, path, target=None):
-        if name != TARGET:
+        if name not in self.pending:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self.pending.discard(name)
+        sys.meta_path.remove(self)  # (find the real spec without finding ourselves)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            if self.pending:
+                sys.meta_path.insert(0, self)
         run = spec.loader.exec_module
 
         def exec_module(module):
             run(module)
-            _patch(module)
+            PATCHES[name](module)
 
         spec.loader.exec_module = exec_module
         return spec
+
+
+def _patch_status(proxy) -> None:
+    """A replica that dies holding a request (killed, its node lost) fails that request with INTERNAL in Serve's
+    proxy; nothing was answered and every clipstream RPC is a read, so say UNAVAILABLE, which the client's retry
+    policy retries on a live replica."""
+    original = proxy.get_grpc_response_status
+    if getattr(original, "clipstream", False):
+        return
+    from ray.exceptions import RayActorError
+    from ray.serve._private.proxy_request_response import ResponseStatus
+
+    def get_grpc_response_status(exc, *args, **kwargs):
+        cause = getattr(exc, "original_exception", exc)
+        if isinstance(cause, RayActorError):
+            import grpc
+
+            return ResponseStatus(code=grpc.StatusCode.UNAVAILABLE, is_error=True,
+                                  message="the replica serving the request stopped before answering: retry")
+        return original(exc, *args, **kwargs)
+
+    get_grpc_response_status.clipstream = True
+    proxy.get_grpc_response_status = get_grpc_response_status
+
+    # Serve's unary handler answers an error by setting the status and returning an empty message; gRPC then
+    # sends headers first, and a client's retry policy never retries a call whose headers arrived. Aborting
+    # instead sends the status alone (trailers-only), which the policy retries when it says UNAVAILABLE.
+    import grpc
+
+    codes = {code.value[0]: code for code in grpc.StatusCode}
+    factory = proxy.gRPCProxy.service_handler_factory
+
+    def service_handler_factory(self, service_method, streaming_type):
+        handler = factory(self, service_method, streaming_type)
+        if streaming_type != proxy.gRPCStreamingType.UNARY_UNARY:
+            return handler
+
+        async def unary_unary(request_proto, context):
+            response = await handler(request_proto, context)
+            code = context.code()
+            code = codes.get(code, code) if isinstance(code, int) else code
+            if code not in (None, grpc.StatusCode.OK):
+                await context.abort(code, context.details() or "")
+            return response
+
+        return unary_unary
+
+    proxy.gRPCProxy.service_handler_factory = service_handler_factory
 
 
 def _patch(default_impl) -> None:
@@ -130,6 +189,9 @@ def _patch(default_impl) -> None:
 
     add_grpc_address.clipstream = True
     default_impl.add_grpc_address = add_grpc_address
+
+
+PATCHES = {TARGET: lambda module: _patch(module), "ray.serve._private.proxy": _patch_status}
 
 
 def _spec(port: int) -> Optional[dict]:

@@ -30,8 +30,10 @@ SERVICES = ("clipstream.v1.Encoder", "clipstream.v1.Search", "clipstream.v1.Admi
 
 def service_config(retries: int) -> str:
     """gRPC's retry policy for every clipstream RPC: UNAVAILABLE (the proxy starting, a replica being replaced)
-    is retried with exponential backoff, up to `retries` times (gRPC caps attempts at 5); nothing else is."""
-    policy = {"maxAttempts": min(retries, 4) + 1, "initialBackoff": "0.2s", "maxBackoff": "5s",
+    is retried with exponential backoff, up to `retries` times (gRPC caps attempts at 5); nothing else is. Waits
+    are random up to 1, 2, 4, 5 s: ~6 s in all on average, longer than Serve takes to stop routing to a dead
+    replica (its health check, every 2 s)."""
+    policy = {"maxAttempts": min(retries, 4) + 1, "initialBackoff": "1s", "maxBackoff": "5s",
               "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}
     return json.dumps({"methodConfig": [{"name": [{"service": s} for s in SERVICES],
                                          **({"retryPolicy": policy} if retries else {})}]})

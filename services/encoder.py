@@ -62,7 +62,9 @@ def _unexpected(exc: Exception) -> RequestError:
                         "details; please report it")
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=128)
+# A replica that dies is noticed by Serve's health check, and only then do routers stop sending it requests
+# (each fails meanwhile, UNAVAILABLE: retried by the client): every 2 s, not Serve's default 10.
+@serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=128, health_check_period_s=2.0)
 class Encoder:
     """Limits (settings.serve_max_*) refuse a request with a message naming the limit and how to stay under it."""
 

@@ -9,11 +9,13 @@ production alias, so a query never changes encoder before the vectors it is rank
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime, timezone
 
 import grpc
 import numpy as np
 from ray import serve
+from ray.exceptions import RayActorError
 
 from clipstream.index import MAX_K, MODALITIES, VectorIndexError, open_index
 from clipstream.registry import PRODUCTION, Registry, RegistryError
@@ -21,7 +23,7 @@ from clipstream.services.encoder import RequestError
 from clipstream.v1 import admin_pb2, search_pb2
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64)
+@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64, health_check_period_s=2.0)
 class Search:
     def __init__(self, settings):
         self.settings = settings
@@ -60,8 +62,7 @@ class Search:
                 vector = np.asarray(request.vector.values, dtype=np.float32)
             else:
                 item = request.text if kind == "text" else request.image
-                version, vectors = await self.encoder.encode.remote(kind, [item], request.model_version or pinned[1] or "",
-                                                                 request.language)
+                version, vectors = await self._encode(kind, item, request.model_version or pinned[1] or "", request.language)
                 vector = vectors[0]
             try:
                 hits = self.index.search(vector, target, request.task or None, k)
@@ -74,6 +75,18 @@ class Search:
             search_pb2.Hit(item_id=h.item_id, task=h.task, score=h.score, modality=h.modality,
                            model_version=h.model_version, index_generation=h.index_generation, caption=h.caption or "")
             for h in hits])
+
+    async def _encode(self, kind: str, item, version: str, language: str, attempts: int = 4):
+        """The query's vector from an Encoder replica; one that dies holding it (killed, its node lost) is retried on
+        another after Serve's router has had a moment to drop it: encoding is a read, and the caller's own request
+        is still alive (its retry policy covers only the hop it sees)."""
+        for attempt in range(attempts):
+            try:
+                return await self.encoder.encode.remote(kind, [item], version, language)
+            except RayActorError:  # (ActorDiedError, ActorUnavailableError)
+                if attempt == attempts - 1:
+                    raise
+                await asyncio.sleep(0.5 * 2 ** attempt)
 
     async def ready(self) -> bool:
         """Whether searches can be answered: a gallery is indexed."""

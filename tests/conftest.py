@@ -184,3 +184,50 @@ def on_gloo(worker, world: int = 2) -> dict:
         p.join(timeout=60)
         assert p.exitcode == 0
     return results
+
+
+# ---- the served app: one real Ray Serve app on loopback gRPC for every test that calls it (session-wide, so
+# the services and reliability tests share it; tests/services/conftest.py orders the module that replaces it)
+@pytest.fixture(scope="session")
+def served(ray_cluster, tmp_path_factory):
+    import grpc
+    from ray import serve
+
+    from clipstream.local_cluster import free_port
+    from clipstream.services import app
+    from clipstream.settings import Settings
+    from clipstream.v1 import encoder_pb2_grpc
+
+    # no CPU reserved: the session's 2-CPU Ray cluster must still fit the training tests that follow
+    settings = Settings(home=tmp_path_factory.mktemp("serve") / "home", grpc_port=free_port(), serve_max_items=8,
+                        serve_max_text_chars=100, serve_max_image_bytes=200_000, serve_batch_size=16,
+                        serve_encoder_cpus=0, serve_search_cpus=0).ensure_dirs()
+    v1 = register_version(settings, seed=1, alias="production")
+    v2 = register_version(settings, seed=2)
+    app.start(settings)
+    channel = grpc.insecure_channel(f"127.0.0.1:{settings.grpc_port}")
+    grpc.channel_ready_future(channel).result(timeout=60)
+    yield settings, channel, encoder_pb2_grpc.EncoderStub(channel), (v1, v2)
+    channel.close()
+    serve.shutdown()
+
+
+COLOURS = ["red", "navy", "green", "yellow", "purple", "orange"]
+
+
+@pytest.fixture(scope="session")
+def indexed(served):
+    """Two tasks of coloured squares indexed with version 1 (the production version)."""
+    settings, channel, _, (v1, _) = served
+    from clipstream.index import TaskVectors, open_index
+    from clipstream.registry import Registry
+    from clipstream.v1 import search_pb2_grpc
+    from tests.services.conftest import png
+
+    bundle = Registry(settings).load(v1)
+    with open_index(settings) as index:
+        for t, task in enumerate(("squares", "discs")):
+            captions = [f"a {c} {task[:-1]} {t}" for c in COLOURS]
+            img, txt = bundle.embed_images([png(c) for c in COLOURS]), bundle.embed_texts(captions)
+            index.append(TaskVectors(task, t, v1, [f"{task}-{i}" for i in range(len(COLOURS))], img, txt, captions))
+    return settings, search_pb2_grpc.SearchStub(channel), bundle, v1

@@ -53,10 +53,11 @@ def test_the_setup_hook_patches_only_when_serve_is_imported():
     import sys
 
     code = ("import sys; from clipstream.services import binding; binding.install(); "
-            "print('ray.serve' in sys.modules); from ray.serve._private import default_impl; "
-            "print(getattr(default_impl.add_grpc_address, 'clipstream', False))")
+            "print('ray.serve' in sys.modules); from ray.serve._private import default_impl, proxy; "
+            "print(getattr(default_impl.add_grpc_address, 'clipstream', False), "
+            "getattr(proxy.get_grpc_response_status, 'clipstream', False))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["False", "True"]
+    assert out == ["False", "True", "True"]
 
 
 def test_the_message_caps_match_the_clients_request_limit():

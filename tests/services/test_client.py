@@ -80,7 +80,7 @@ def test_client_gives_up_on_a_port_nobody_listens_on():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens here once the socket closes
-    with pytest.raises(grpc.RpcError) as err, Client(f"127.0.0.1:{port}", timeout_s=5) as client:
+    with pytest.raises(grpc.RpcError) as err, Client(f"127.0.0.1:{port}", timeout_s=30) as client:
         client.encode_text(["a cup"])
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
