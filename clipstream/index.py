@@ -561,11 +561,19 @@ class ServerIndex(VectorIndex):
             self.client.update_collection_aliases(change_aliases_operations=ops)  # atomic for both modalities
 
     def _sweep(self, state):
-        gen = state["generation"]
+        m, gen = self._m, state["generation"]
         for c in self.client.get_collections().collections:
             match = self._gen_re.match(c.name)
             if match and int(match.group(1)) != gen:
                 self.client.delete_collection(c.name)
+        if gen and state["tasks"]:
+            # an append writes into the serving collections before its state is published: a writer that died
+            # there left points of a task no state names (never served: queries filter on published tasks)
+            unpublished = m.FilterSelector(filter=m.Filter(must_not=[
+                m.FieldCondition(key="task", match=m.MatchAny(any=sorted(state["tasks"])))]))
+            for modality in MODALITIES:
+                if self.client.collection_exists(self._coll(gen, modality)):
+                    self.client.delete(self._coll(gen, modality), points_selector=unpublished, wait=True)
         if self.client.collection_exists(self._state_coll):
             stale = [r.id for r in self._records(self._state_coll, None, vectors=False) if r.id != gen]
             if stale:

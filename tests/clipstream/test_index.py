@@ -380,6 +380,34 @@ def test_failed_reindex_leaves_serving_generation(index, monkeypatch):
     assert {h.model_version for h in index.search(np.ones(DIM), "image", k=40)} == {"5"}
 
 
+def unreferenced(idx):
+    """Storage under the serving generation that its state does not name: Edge segments, server points."""
+    state = idx._read()
+    if isinstance(idx, EdgeIndex):
+        live = {r for refs in state["segments"].values() for r in refs.values()}
+        return sorted({f"{p.parent.name}/{p.name}" for p in idx._dir.glob("g*/*")} - live)
+    return sorted(str(r.id) for m in MODALITIES for r in idx._records(idx._coll(state["generation"], m), None, False)
+                  if r.payload["task"] not in state["tasks"])
+
+
+def test_a_failed_append_is_cleared_by_the_next_write(index, monkeypatch):
+    index.append(tv("a", "1"))
+    state, before = index.state(), checksums(index, "a")
+
+    def fail(self, new):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(type(index), "_publish", fail)
+    with pytest.raises(OSError, match="disk full"):
+        index.append(tv("b", "2"))  # every point of b stored, its state never published
+    monkeypatch.undo()
+    assert index.state() == state and checksums(index, "a") == before
+    assert unreferenced(index) and len(index.search(np.ones(DIM), "text", k=100)) == 20  # stored, never served
+    index.append(tv("c", "3"))  # another task, not a rerun: b's points still go
+    assert set(index.state()["tasks"]) == {"a", "c"} and unreferenced(index) == []
+    assert {h.item_id[0] for h in index.search(np.ones(DIM), "image", k=100)} == {"a", "c"}
+
+
 def test_input_errors(index):
     with pytest.raises(VectorIndexError, match="empty"):
         index.search(np.ones(DIM), "image")
