@@ -516,8 +516,9 @@ def main(argv: list[str] | None = None) -> int:
         code = args.func(args)
     except Exception as exc:
         job = _loaded("clipstream.training.job")
-        if job and isinstance(exc, job.TrainingFailed):  # not the input's fault: exit 1, the cause in one line
-            print(f"clipstream: error: {exc}", file=sys.stderr)
+        if job and isinstance(exc, job.TrainingFailed) or isinstance(exc, _dependency_errors()):
+            # not the input's fault (a job that failed, MLflow or the vector store down): exit 1, one line
+            print(f"clipstream: error: {_one_line(exc)}", file=sys.stderr)
             return 1
         if not isinstance(exc, _user_errors()):  # a bug: one line here, the traceback in a file
             print(f"clipstream: internal error: {type(exc).__name__}: {_one_line(exc)} (traceback in {_crash_log(exc)}; "
@@ -561,6 +562,17 @@ def _user_errors() -> tuple[type[Exception], ...]:
     errors: list[type[Exception]] = [ValueError, FileNotFoundError]
     for module, name in (("clipstream.training.data.task", "DataError"), ("clipstream.registry", "RegistryError"),
                          ("grpc", "RpcError"), ("clipstream.services.binding", "BindingError")):
+        if _loaded(module):
+            errors.append(getattr(_loaded(module), name))
+    return tuple(errors)
+
+
+def _dependency_errors() -> tuple[type[Exception], ...]:
+    """What a dependency that is down raises: MLflow (a server that does not answer, a locked database), the
+    vector store (a Qdrant server that does not answer), the network."""
+    errors: list[type[Exception]] = [ConnectionError, TimeoutError]
+    for module, name in (("mlflow.exceptions", "MlflowException"),
+                         ("qdrant_client.http.exceptions", "ResponseHandlingException")):
         if _loaded(module):
             errors.append(getattr(_loaded(module), name))
     return tuple(errors)

@@ -31,6 +31,7 @@ from clipstream import models
 from clipstream.settings import Settings
 
 PRODUCTION = "production"  # the alias serving follows
+CHECKSUMS = "artifact_sha256"  # version tag: {file: sha256} of the checkpoint folder, taken at registration
 CANDIDATE = "candidate"  # the alias every newly registered version gets
 MANIFEST = "clipstream.json"  # lineage, matrix and config inside each version's checkpoint folder
 ARTIFACT = "checkpoint"  # the pyfunc artifact that holds the open_clip folder
@@ -104,6 +105,9 @@ class Registry:
 
     def __init__(self, settings: Settings, alias_ttl_s: float = 0.0):
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per tiny file is noise
+        # a server that does not answer is reported in seconds, not after MLflow's 7 retries (~2 min)
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
         self.settings = settings
         self.name = settings.stream
         self.tracking_uri = settings.mlflow_tracking_uri
@@ -139,7 +143,8 @@ class Registry:
         The lineage's task names also go in a tag, so serving can check its gallery without a download."""
         manifest = json.loads((Path(checkpoint) / MANIFEST).read_text())
         lineage = manifest.get("lineage", [])
-        tags = {**tags, "lineage_tasks": ",".join(e["task"] for e in lineage),
+        tags = {**tags, CHECKSUMS: json.dumps(checksums(Path(checkpoint)), separators=(",", ":")),
+                "lineage_tasks": ",".join(e["task"] for e in lineage),
                 "languages": ",".join(_languages(lineage)),
                 "tokenizer": (manifest.get("tokenizer") or {}).get("sha", ""),
                 "image_tower": manifest.get("image_tower") or ""}
@@ -187,7 +192,7 @@ class Registry:
             raise NoSuchVersion(f"{text}: no such model version in {name!r} ({exc.error_code})") from exc
         version = Version(str(mv.version), dict(mv.tags), mv.run_id, list(mv.aliases), int(mv.creation_timestamp or 0))
         if download:
-            version.folder = self.download(version.version, version.run_id)
+            version.folder = self.download(version)
             version.manifest = json.loads((version.folder / MANIFEST).read_text())
         return version
 
@@ -213,26 +218,39 @@ class Registry:
         try:  # search results leave `aliases` empty: the registered model holds them
             aliases = self.client.get_registered_model(self.name).aliases  # {alias: version}
             found = self.client.search_model_versions(f"name = '{self.name}'")
-        except MlflowException:
-            return []
+        except MlflowException as exc:
+            if exc.error_code == "RESOURCE_DOES_NOT_EXIST":  # nothing registered yet (a server that is down is not that)
+                return []
+            raise
         return sorted((Version(str(v.version), dict(v.tags), v.run_id,
                                sorted(a for a, n in aliases.items() if str(n) == str(v.version)),
                                int(v.creation_timestamp or 0)) for v in found),
                       key=lambda v: int(v.version))
 
-    def download(self, version: str, run_id: str) -> Path:
-        """The checkpoint folder of `version`, downloaded once into HOME/cache (versions are immutable;
-        the run id keys the cache so a recreated registry never reads stale files)."""
-        folder = self.settings.home / "cache" / self.name / f"v{version}-{run_id}"
+    def download(self, version: Version) -> Path:
+        """The checkpoint folder of `version`, downloaded once into HOME/cache (versions are immutable; the run id
+        keys the cache so a recreated registry never reads stale files) and checked against the checksums taken
+        at registration: a missing, truncated or altered file is an error, and nothing is cached."""
+        folder = self.settings.home / "cache" / self.name / f"v{version.version}-{version.run_id}"
         if not (folder / models.CONFIG_FILE).is_file():
             folder.parent.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix="download-", dir=folder.parent))
-            source = self.client.get_model_version_download_uri(self.name, version)
-            local = mlflow.artifacts.download_artifacts(f"{source.rstrip('/')}/artifacts/{ARTIFACT}",
-                                                        dst_path=str(staging), tracking_uri=self.tracking_uri)
-            shutil.rmtree(folder, ignore_errors=True)
-            Path(local).rename(folder)
-            shutil.rmtree(staging, ignore_errors=True)
+            try:
+                source = self.client.get_model_version_download_uri(self.name, version.version)
+                local = Path(mlflow.artifacts.download_artifacts(f"{source.rstrip('/')}/artifacts/{ARTIFACT}",
+                                                                 dst_path=str(staging), tracking_uri=self.tracking_uri))
+                expected = json.loads(version.tags.get(CHECKSUMS) or "null")
+                if expected is not None:  # (versions registered before checksums existed have none)
+                    found = checksums(local)
+                    bad = sorted(f for f in expected.keys() | found.keys() if expected.get(f) != found.get(f))
+                    if bad:
+                        raise RegistryError(f"model version {version.version}: its artifacts are incomplete or altered "
+                                            f"({', '.join(f'{f} {_state(f, found, expected)}' for f in bad[:5])}): "
+                                            "it cannot be loaded or promoted; register it again from its run")
+                shutil.rmtree(folder, ignore_errors=True)
+                local.rename(folder)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
         return folder
 
     def load(self, ref: str | int) -> models.ClipBundle:
@@ -401,3 +419,21 @@ def _own_code(staging: Path) -> str:
             shutil.copytree(find_spec(f"clipstream.{package}").submodule_search_locations[0], target / package,
                             ignore=ignore)
     return str(target)
+
+
+def checksums(folder: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file under `folder`."""
+    import hashlib
+
+    out = {}
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        out[path.relative_to(folder).as_posix()] = digest.hexdigest()
+    return out
+
+
+def _state(name: str, found: dict, expected: dict) -> str:
+    return "missing" if name not in found else "unexpected" if name not in expected else "differs"

@@ -53,8 +53,10 @@ def _unexpected(exc: Exception) -> RequestError:
 
     incident = uuid.uuid4().hex[:12]
     logger.error("request failed, incident %s", incident, exc_info=exc)
+    from mlflow.exceptions import MlflowException  # (what a registry that is down or locked raises)
+
     gone = (ActorDiedError, ActorUnavailableError, RayActorError, BackPressureError, DeploymentUnavailableError,
-            ConnectionError, TimeoutError)
+            ConnectionError, TimeoutError, MlflowException)
     if isinstance(exc, gone) or isinstance(getattr(exc, "cause", None), gone):  # (RayTaskError: the remote cause)
         return RequestError(grpc.StatusCode.UNAVAILABLE, f"a serving component is unavailable ({type(exc).__name__}, "
                             f"incident {incident}): retry shortly")

@@ -1,0 +1,70 @@
+"""Dependencies down or damaged: an artifact missing or truncated is caught by the checksums taken at
+registration (nothing loads it, nothing promotes it), and an MLflow server or a vector store that does not
+answer is one line on the CLI, quickly, with nothing half-done."""
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from clipstream.cli import main
+from clipstream.promotion import promote
+from clipstream.registry import CHECKSUMS, Registry, RegistryError
+from tests.conftest import register_version
+
+
+def artifact_file(settings, version: str, name: str) -> Path:
+    """The stored file `name` of `version`'s checkpoint, in the registry's artifact store (a local folder here)."""
+    from urllib.parse import urlparse
+
+    registry = Registry(settings)
+    uri = registry.client.get_model_version_download_uri(settings.stream, version)
+    path = Path(urlparse(uri).path) / "artifacts" / "checkpoint" / name
+    assert path.is_file(), path
+    return path
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_damaged_artifact_is_never_loaded_or_promoted(settings, stream, damage, capsys):
+    v1 = register_version(settings, 401, task_dirs=stream[:1])
+    promote(settings, v1, index=False)
+    v2 = register_version(settings, 402, task_dirs=stream, parent=v1)
+    assert "open_clip_model.safetensors" in Registry(settings).resolve(v2, download=False).tags[CHECKSUMS]
+    weights = artifact_file(settings, v2, "open_clip_model.safetensors")
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    else:
+        weights.unlink()
+    with pytest.raises(RegistryError, match=f"open_clip_model.safetensors {'differs' if damage == 'truncated' else 'missing'}"):
+        Registry(settings).resolve(v2)
+    assert not (settings.home / "cache" / settings.stream / f"v{v2}-{Registry(settings).resolve(v2, download=False).run_id}").exists()
+    capsys.readouterr()  # (what registering printed)
+    assert main(["promote", v2, "--no-index"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "incomplete or altered" in err and "Traceback" not in err, err
+    assert Registry(settings).number("production") == v1  # the alias never points at it
+
+
+def dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_mlflow_server_that_does_not_answer_is_one_line_quickly(settings, monkeypatch, capsys):
+    monkeypatch.setenv("CLIPSTREAM_MLFLOW_TRACKING_URI", f"http://127.0.0.1:{dead_port()}")
+    tic = time.monotonic()
+    assert main(["runs"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("clipstream: error:") and "Traceback" not in err, err
+    assert "127.0.0.1" in err and time.monotonic() - tic < 60
+
+
+def test_a_vector_store_that_does_not_answer_is_one_line(settings, stream, monkeypatch, capsys):
+    v1 = register_version(settings, 403, task_dirs=stream[:1])
+    monkeypatch.setenv("CLIPSTREAM_QDRANT_URL", f"http://127.0.0.1:{dead_port()}")
+    capsys.readouterr()
+    assert main(["index", "--version", v1, "--task", str(stream[0])]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("clipstream: error:") and "Traceback" not in err, err
