@@ -43,7 +43,7 @@ def _train(args) -> None:
 
     result = run_task(args.task, args.method, args.parent, args.workers, args.set, Settings(),
                       gpus_per_worker=args.gpus_per_worker, aliases=args.alias, wait_parent_s=args.wait_parent,
-                      zero_shot=args.zero_shot)
+                      zero_shot=args.zero_shot, retrain=args.retrain)
     _print_result(result)
 
 
@@ -313,7 +313,8 @@ def _demo(args) -> None:
     for i, folder in enumerate(dirs):
         print(f"\n== task {i + 1}/{len(dirs)}: {folder.name} ({args.method}, {args.workers} Ray workers, parent {parent or 'none'})")
         result = run_task(folder, args.method, parent, args.workers, args.set, settings,  # (later tasks inherit it)
-                          zero_shot=[*args.zero_shot, held_out_task(out)] if i == 0 else ())
+                          zero_shot=[*args.zero_shot, held_out_task(out)] if i == 0 else (),
+                          retrain=True)  # a demo run again in the same home trains again
         parent = result.version
     _print_result(result)
     if not args.no_serve:
@@ -401,6 +402,9 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--alias", action="append", default=[], help="also set this alias on the new version (repeatable)")
     train.add_argument("--gpus-per-worker", type=float, help="GPUs per Ray Train worker (default: 1 if the driver "
                        "sees CUDA, else 0)")
+    train.add_argument("--retrain", action="store_true", help="train the task again although it already registered a "
+                       "version from the same parent, method and data (a new version; without it such a rerun is "
+                       "refused, and an interrupted one resumes from its last epoch checkpoint)")
     training_args(train)
     train.set_defaults(func=_train)
 

@@ -148,7 +148,8 @@ def rayjob(name: str, command: list[str], release: Release, resources: Resources
             "ttlSecondsAfterFinished": ttl_s,
             "activeDeadlineSeconds": deadline_s,
             # Ray Train already restarts failed workers from the last checkpoint (train.max_failures); a
-            # resubmission would train the task again from its start and register a second version.
+            # resubmission resumes from the last epoch checkpoint (the run is named by what it trains, under the
+            # shared runs_dir), or is refused once the task registered its version.
             "backoffLimit": backoff_limit,
             "submissionMode": "K8sJobMode",
             "submitterPodTemplate": submitter,

@@ -8,14 +8,22 @@
     register → the export + what the next task needs, as a new MLflow model version (alias `candidate`)
 
 `run_task` runs them inside the task's MLflow run; each step can also be called (and tested) alone.
+
+A task registers one version. The Ray Train run of a job is named after what it trains (the stream, the task's
+data, the parent version, the method, the resolved config and the workers: `Plan.run_key`), so rerunning the
+command of a job whose driver died resumes from its last epoch checkpoint, and the dead job's MLflow run is marked
+KILLED; once the task has a version from the same parent, method and data, rerunning is refused
+(`AlreadyRegistered`) unless the user asks to train it again (`retrain`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -43,13 +51,27 @@ from clipstream.settings import Settings
 from clipstream.training import diagnostics, evaluate, launch, methods
 from clipstream.training.data.reader import training_dataset
 from clipstream.training.data.task import DataError, Task
-from clipstream.training.engine import EXPORT_DIR, METHOD_STATE_FILE
+from clipstream.training.engine import EXPORT_DIR, METHOD_STATE_FILE, STATE_FILE
 from clipstream.training.methods.state import load_state, save_state
 
 
 class TrainingFailed(RuntimeError):
     """The job's workers failed more often than the preset allows (`train.max_failures`): a lost node, a
     crash. Not the user's input: the CLI says so in one line and exits 1."""
+
+
+class AlreadyRegistered(ValueError):
+    """The task already registered a version from the same parent with the same method on the same data: training
+    it again would give the task a second version, so a rerun is refused (exit 2) unless `retrain` asks for it."""
+
+
+class JobRunning(ValueError):
+    """A live driver on this host is training the same job (same `Plan.run_key`) now."""
+
+
+# what does not change the trained weights, left out of the run key: a rerun with more restarts allowed, other
+# logging or another evaluation batch still resumes the same run
+_NOT_TRAINED = ("train.max_failures", "train.log_every", "train.data_cpus", "eval.")
 
 
 @dataclass
@@ -73,6 +95,10 @@ class Plan:
     grown: Optional[Path] = None  # the model folder the method made to train instead (CLL-CLIP: vocabulary grown)
     teacher_source: Optional[str] = None  # the frozen teacher's folder or pretrained model; None: no teacher
     state_path: Optional[Path] = None  # the method state the workers start from, as the driver holds it
+    generation: int = 0  # versions the task had from this parent, method and data when the job was asked (retrain)
+    run_key: str = ""  # what this job trains, hashed: a rerun of the same job has the same (see `_run_key`)
+    ray_name: str = ""  # the Ray Train run (its folder under runs_dir): the stream, run_name and run_key
+    resume_after: Optional[int] = None  # the epoch of the checkpoint the Ray Train run resumes from (None: from the start)
 
     @property
     def history(self) -> list[dict]:
@@ -124,11 +150,15 @@ class TaskResult:
 def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[str] = None, workers: int = 2,
              overrides: Iterable[str] = (), settings: Optional[Settings] = None, *,
              gpus_per_worker: Optional[float] = None, aliases: Iterable[str] = (),
-             wait_parent_s: float = 0.0, zero_shot: Iterable[str | Path] = ()) -> TaskResult:
+             wait_parent_s: float = 0.0, zero_shot: Iterable[str | Path] = (), retrain: bool = False) -> TaskResult:
     """Train `method` on one task starting from `parent` (a registry reference; None = the preset's
     model; waited for up to `wait_parent_s`), evaluate, and register the new version with alias
     `candidate` and `aliases`. `zero_shot`: held-out task directories evaluated with every version of the
-    stream (none given: the parent's)."""
+    stream (none given: the parent's).
+
+    The same job run again (its driver killed, its workers out of restarts) resumes the Ray Train run from its last
+    epoch checkpoint and marks the MLflow run it left RUNNING as KILLED; a task that already registered a version
+    from the same parent, method and data is refused (`AlreadyRegistered`) unless `retrain`."""
     tic = time.perf_counter()
     for alias in aliases:  # MLflow's alias rules, checked before anything runs; production moves only by promotion
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,255}", alias) or re.fullmatch(r"v\d+|latest", alias, re.I) \
@@ -138,13 +168,24 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
     methods.resolve(method, overrides)  # a bad preset or --set fails here, before anything is written
     settings = (settings or Settings()).ensure_dirs()
     registry = Registry(settings)
-    plan = prepare(registry, task_dir, method, parent, workers, overrides, wait_parent_s, zero_shot)
+    plan = prepare(registry, task_dir, method, parent, workers, overrides, wait_parent_s, zero_shot, retrain)
     plan.gpus_per_worker, plan.aliases = gpus_per_worker, tuple(aliases)
+    storage = settings.runs_dir / plan.ray_name
     try:
-        with registry.run(plan.run_name, plan.tags) as run_id:
+        interrupted = _end_interrupted_runs(registry, plan)
+        plan.resume_after = _checkpointed_epoch(storage)
+        if plan.resume_after is not None:
+            print(f"[train] resuming Ray Train run {plan.ray_name} from its checkpoint after epoch {plan.resume_after}"
+                  + (f" (MLflow run {', '.join(interrupted)} interrupted: marked KILLED)" if interrupted else ""),
+                  flush=True)
+        tags = {**plan.tags, "run_key": plan.run_key, "ray_run": plan.ray_name, "driver": _driver(),
+                **({"resumes": ",".join(interrupted)} if interrupted else {})}
+        with registry.run(plan.run_name, tags) as run_id:
             trained = fit(plan, settings, run_id)
             result = evaluate_version(plan, trained, settings.home / "plots" / run_id)
+            _refuse_registered(registry, plan.tags, plan.generation)  # (an identical job that finished meanwhile)
             version = register(registry, plan, trained, result)
+        shutil.rmtree(storage, ignore_errors=True)  # its checkpoint is the version now: a retrain starts afresh
     finally:
         shutil.rmtree(plan.workdir, ignore_errors=True)
     return TaskResult(version, run_id, plan.task.name, plan.task_index, result.known, result.unknown, result.heatmap,
@@ -152,9 +193,11 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
 
 
 def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optional[str], workers: int,
-            overrides: Iterable[str] = (), wait_parent_s: float = 0.0, zero_shot: Iterable[str | Path] = ()) -> Plan:
+            overrides: Iterable[str] = (), wait_parent_s: float = 0.0, zero_shot: Iterable[str | Path] = (),
+            retrain: bool = False) -> Plan:
     """Resolve the preset and the parent, and check all training data; a bad input fails here, before
-    Ray starts or a run is opened."""
+    Ray starts or a run is opened. A task that already registered a version from the same parent with the same
+    method on the same data is refused (`AlreadyRegistered`) unless `retrain`."""
     config = methods.resolve(method, overrides)
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
@@ -167,6 +210,10 @@ def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optio
         stack.load_state_dict(load_state(parent_v.folder))
     current = {"task": task.name, "path": str(task.root), "data_sha": task.data_sha(),
                **({"lang": str(task.meta["lang"])} if task.meta.get("lang") else {})}
+    tags = {"task": task.name, "task_index": str(len(parent_v.lineage) if parent_v else 0), "method": stack.name,
+            "parent_version": parent_v.version if parent_v else "", "data_sha": current["data_sha"]}
+    generation = 0 if not retrain else len(_same_versions(registry, tags))
+    _refuse_registered(registry, tags, generation)
     held_out = _zero_shot_entries(zero_shot, parent_v, [*(parent_v.lineage if parent_v else []), current])
     plan = Plan(config, stack, task, parent_v, current, [], 0, [], workers,
                 Path(tempfile.mkdtemp(prefix="clipstream-job-")), zero_shot=held_out)
@@ -176,9 +223,93 @@ def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optio
     except BaseException:
         shutil.rmtree(plan.workdir, ignore_errors=True)
         raise
-    plan.tags = {"task": task.name, "task_index": str(plan.task_index), "method": stack.name,
-                 "parent_version": parent_v.version if parent_v else "", "data_sha": current["data_sha"]}
+    plan.tags = tags
+    plan.generation = generation
+    plan.run_key = _run_key(registry.name, config, tags, workers, generation)
+    plan.ray_name = f"{registry.name}-{plan.run_name}-{plan.run_key}"
     return plan
+
+
+def _same_versions(registry: Registry, tags: dict) -> list[Version]:
+    """The registered versions trained on the same task data from the same parent with the same method."""
+    keys = ("task", "parent_version", "method", "data_sha")
+    return [v for v in registry.versions() if all(v.tags.get(k, "") == tags[k] for k in keys)]
+
+
+def _refuse_registered(registry: Registry, tags: dict, generation: int) -> None:
+    """AlreadyRegistered when the task has more versions from this parent, method and data than the job may
+    find (`generation`: 0, or the number there were when `retrain` was asked for)."""
+    same = _same_versions(registry, tags)
+    if len(same) <= generation:
+        return
+    found = same[-1]
+    run = registry.client.get_run(found.run_id)
+    if run.info.status == "RUNNING" and not _alive(run.data.tags.get("driver", "")):  # killed just after registering
+        registry.client.set_tag(found.run_id, "interrupted", "driver gone after registering the version")
+        registry.client.set_terminated(found.run_id, "FINISHED")
+    parent = f"parent version {tags['parent_version']}" if tags["parent_version"] else "no parent"
+    raise AlreadyRegistered(f"task {tags['task']!r} already registered version {found.version} (method "
+                            f"{tags['method']!r}, {parent}, the same data): not training it again; to train it again "
+                            f"on purpose, as a new version, rerun with --retrain")
+
+
+def _run_key(stream: str, config: dict, tags: dict, workers: int, generation: int) -> str:
+    """What the job trains, hashed: the same job run again has the same key, hence the same Ray Train run."""
+    trained = {k: v for k, v in _flatten(config).items() if not k.startswith(_NOT_TRAINED)}
+    what = {"stream": stream, "config": trained, "workers": workers, "generation": generation,
+            **{k: tags[k] for k in ("task", "parent_version", "method", "data_sha")}}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _driver() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _alive(driver: str) -> bool:
+    """Whether the driver `host:pid` (a run's tag) is a live process on this host other than this one; a driver on
+    another host cannot be asked (a RayJob's submitter pod that died is retried on another)."""
+    host, _, pid = driver.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) in (0, os.getpid()):
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed driver its parent has not reaped yet is a zombie: gone
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _end_interrupted_runs(registry: Registry, plan: Plan) -> list[str]:
+    """Mark KILLED the MLflow runs of this job (its run key) that a dead driver left RUNNING; returns their ids.
+    JobRunning when this job's driver is alive on this host."""
+    found = registry.client.search_runs([registry.experiment_id()], max_results=1000,
+                                        filter_string=f"tags.run_key = '{plan.run_key}' and attributes.status = 'RUNNING'")
+    for run in found:
+        driver = run.data.tags.get("driver", "")
+        if _alive(driver):
+            raise JobRunning(f"task {plan.task.name!r}: the same job is running now (MLflow run {run.info.run_id}, "
+                             f"driver pid {driver.rpartition(':')[2]}); wait for it to end")
+    for run in found:
+        registry.client.set_tag(run.info.run_id, "interrupted", "driver gone; a rerun resumed from its last checkpoint")
+        registry.client.set_terminated(run.info.run_id, "KILLED")
+    return [run.info.run_id for run in found]
+
+
+def _checkpointed_epoch(storage: Path) -> Optional[int]:
+    """The epoch of the last checkpoint Ray Train recorded for the run stored at `storage` (its checkpoint
+    manager's snapshot, which it restores when a run of that name starts again); None when there is none."""
+    try:
+        snapshot = json.loads((storage / "checkpoint_manager_snapshot.json").read_text())
+        latest = snapshot["latest_checkpoint_result"]
+        if latest is None:
+            return None
+        return int(json.loads((storage / latest["checkpoint_dir_name"] / STATE_FILE).read_text())["epoch"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _zero_shot_entries(dirs: Iterable[str | Path], parent: Optional[Version], trained: list[dict]) -> list[dict]:
@@ -239,7 +370,7 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
     bundle = models.create(config["model"]["arch"], plan.model_source)
     # what the workers and Ray Data's tasks read goes where Ray Train's checkpoints go: storage every node shares
     # (on Kubernetes the runs volume; HOME, where versions are downloaded, is each pod's own)
-    shared = settings.runs_dir / "inputs" / run_id
+    shared = settings.runs_dir / "inputs" / plan.ray_name
     model_source, state_path = _share(plan.model_source, shared / "model"), _share(plan.state_path, shared / METHOD_STATE_FILE)
     # (the teacher is most often the parent, which is the model: copied once)
     teacher_source = model_source if plan.teacher_source == plan.model_source else _share(plan.teacher_source, shared / "teacher")
@@ -263,7 +394,9 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
         # PACK would put two CPU workers on one pod's cores and leave the other pod idle
         scaling_config=ScalingConfig(num_workers=plan.workers, use_gpu=gpus > 0, placement_strategy="SPREAD",
                                      resources_per_worker={"CPU": 1, "GPU": gpus} if gpus else {"CPU": 0.5}),
-        run_config=RunConfig(name=f"{settings.stream}-{run_id}", storage_path=str(settings.runs_dir),
+        # named after what it trains (`plan.ray_name`): the same job run again finds the run's checkpoint manager
+        # snapshot in its folder and gives the workers its last checkpoint (Ray Train's driver fault tolerance)
+        run_config=RunConfig(name=plan.ray_name, storage_path=str(settings.runs_dir),
                              failure_config=FailureConfig(max_failures=train["max_failures"]),
                              checkpoint_config=CheckpointConfig(num_to_keep=1)),
         datasets={"train": dataset}, dataset_config=DataConfig(execution_options=ingest),
@@ -273,10 +406,14 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
     except TrainingFailedError as exc:  # the run is then closed as FAILED, and nothing is registered
         cause = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise TrainingFailed(f"task {plan.task.name!r}: training failed after train.max_failures="
-                             f"{train['max_failures']} restarts ({cause}); no version was registered") from exc
+                             f"{train['max_failures']} restarts ({cause}); no version was registered (rerunning the "
+                             "same command resumes from its last epoch checkpoint, if any)") from exc
     finally:
         shutil.rmtree(shared, ignore_errors=True)
-    mlflow.log_metrics({f"train/{k}": v for k, v in result.metrics.items() if k in ("samples_per_s", "step_ms", "start_epoch", "step")})
+    metrics = {k: v for k, v in result.metrics.items() if k in ("samples_per_s", "step_ms", "start_epoch", "step")}
+    if plan.resume_after is not None:  # (the result's metrics are the snapshot's when no epoch was left to train)
+        metrics["start_epoch"] = max(metrics.get("start_epoch", 0), plan.resume_after + 1)
+    mlflow.log_metrics({f"train/{k}": v for k, v in metrics.items()})
     staged = plan.workdir / "checkpoint"  # the registered artifact's folder
     with result.checkpoint.as_directory() as folder:
         shutil.copytree(Path(folder) / EXPORT_DIR, staged, dirs_exist_ok=True)
