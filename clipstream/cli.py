@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from pathlib import Path
@@ -516,6 +517,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    # MLflow's SQL store logs a database error with its traceback before raising it; the error is ours to
+    # report, in one line (below)
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
     try:
         code = args.func(args)
     except Exception as exc:

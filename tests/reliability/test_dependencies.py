@@ -68,3 +68,25 @@ def test_a_vector_store_that_does_not_answer_is_one_line(settings, stream, monke
     assert main(["index", "--version", v1, "--task", str(stream[0])]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("clipstream: error:") and "Traceback" not in err, err
+
+
+def test_a_locked_registry_database_is_one_line_and_changes_nothing(settings, stream, capsys):
+    """Another process holding the SQLite registry's write lock (a long migration, a stuck writer): a command that
+    must write reports it in one line (exit 1), and nothing was registered or moved."""
+    import sqlite3
+
+    v1 = register_version(settings, 404, task_dirs=stream[:1])
+    db = settings.mlflow_tracking_uri.removeprefix("sqlite:///")
+    holder = sqlite3.connect(db, timeout=0, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        capsys.readouterr()
+        assert main(["promote", v1, "--no-index"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith("clipstream: error:") and "locked" in err and "Traceback" not in err, err
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert Registry(settings).promotions() == [] and Registry(settings).lock_holder() is None
+    with pytest.raises(RegistryError):
+        Registry(settings).number("production")
