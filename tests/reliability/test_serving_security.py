@@ -50,13 +50,15 @@ def test_loopback_is_the_default_and_other_interfaces_need_a_key(settings, tmp_p
 
 
 def test_serve_refuses_all_interfaces_without_a_key_before_starting_ray(settings, monkeypatch, capsys):
-    import ray
+    from clipstream.training import job
 
+    started = []
+    monkeypatch.setattr(job, "init_ray", lambda *args, **kwargs: started.append(args))  # (the session's Ray may run)
     monkeypatch.setenv("CLIPSTREAM_GRPC_HOST", "0.0.0.0")
     assert main(["serve"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("clipstream: error:") and "\n" not in err and "API key" in err and "Traceback" not in err
-    assert not ray.is_initialized()
+    assert not started
 
 
 def test_a_bad_setting_is_one_line_and_exit_2(settings, monkeypatch, capsys):
