@@ -108,7 +108,8 @@ class Search:
                             f"{holder.get('host')}): queries stay with v{query or '-'} until its gallery is in place")
         elif production and query and production != query:
             problems.append(f"production is v{production} but the gallery serves queries for v{query}: "
-                            f"`clipstream follow --once` (or a server's follower) puts its gallery in place")
+                            f"`clipstream promote {production}` (or `clipstream follow`, which `clipstream serve` "
+                            "runs) puts its gallery in place")
         if production:
             missing = [t for t in self.registry.resolve(production, download=False).tasks if t not in state["tasks"]]
             if missing:

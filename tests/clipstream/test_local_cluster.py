@@ -139,7 +139,8 @@ def test_a_node_lost_mid_training_fails_the_job_in_one_line_and_registers_nothin
     settings = [*JOB_SETTINGS, "train.epochs=100"]  # far longer than the test waits
     (manifest,) = rayjobs("job", "--task", str(tasks[0]), "--name", "lost", overrides=settings, cwd=tmp_path)
     client = cluster.jobs()
-    job = client.submit_job(entrypoint=manifest["spec"]["entrypoint"])
+    # the task registered version 1 already (the stream's first job): training it again is asked for
+    job = client.submit_job(entrypoint=manifest["spec"]["entrypoint"] + " --retrain")
     deadline = time.monotonic() + 300
     while "[train] step 2 " not in client.get_job_logs(job):
         assert not client.get_job_status(job).is_terminal(), client.get_job_logs(job)[-3000:]
