@@ -204,7 +204,7 @@ def measure(clients: int, seconds: float, replicas: int) -> dict:
         (root / "key").write_text("bench-key\n")
         settings = Settings(home=root / "home", grpc_port=free_port(), api_key_file=root / "key", serve_replicas=replicas,
                             serve_encoder_cpus=0, serve_search_cpus=0, index_policy="reindex").ensure_dirs()
-        dirs = synthesize(root / "data", tasks=2, seed=0, train_pairs=64, test_per_task=64, digits=False, progress=False)
+        dirs = synthesize(root / "data", tasks=2, seed=0, train_pairs=160, test_per_task=64, digits=False, progress=False)
         v1 = register_untrained(settings, 1, dirs[:1])
         v2 = register_untrained(settings, 2, dirs, parent=v1)
         promote(settings, v1)
