@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from pathlib import Path
@@ -35,3 +36,22 @@ def write(out: str | Path, lines: Sequence[str]) -> str:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(text)
     return text
+
+
+def check(name: str, value: float, *, at_least: float | None = None, at_most: float | None = None,
+          fmt: str = "{:.2f}", why: str = "") -> dict:
+    """One measured figure against its target (a lower or an upper bound); `why` explains a miss or a caveat."""
+    ok = (at_least is None or value >= at_least) and (at_most is None or value <= at_most)
+    target = " and ".join([f"{sign} {fmt.format(bound)}" for sign, bound in (("≥", at_least), ("≤", at_most))
+                           if bound is not None])
+    return {"check": name, "value": fmt.format(value), "target": target, "ok": bool(ok), "why": why}
+
+
+def targets(out: str | Path, checks: Sequence[dict]) -> list[str]:
+    """Write the checks next to the results file (`<stem>.json`, what `clipstream bench all` summarises) and
+    return them as markdown lines for the results file."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).with_suffix(".json").write_text(json.dumps({"checks": list(checks)}, indent=1) + "\n")
+    return ["## Targets", "", *table(["check", "measured", "target", "verdict"], [
+        [c["check"], c["value"], c["target"], ("met" if c["ok"] else "**not met**") + (f" ({c['why']})" if c["why"] else "")]
+        for c in checks])]

@@ -19,6 +19,7 @@ from pathlib import Path
 import deepspeed
 import ray.train
 import torch
+from torch.profiler import record_function
 
 from clipstream import models
 from clipstream.training import methods
@@ -92,14 +93,19 @@ def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None =
 def train_step(engine, method, task_ctx: TaskContext, batch: dict) -> tuple[torch.Tensor, dict]:
     """The whole step: CLIP loss over the gathered batch plus the method's terms, backward, optimizer
     step, the method's after-step hook (e.g. CTP's momentum update). Returns the loss and its terms."""
-    feats = forward_features(engine.module, batch["image"], batch["text"])
-    terms = {"clip": method.clip_weight * clip_loss(feats.image, feats.text, feats.logit_scale)}
-    terms.update(method.loss_terms(task_ctx, batch, feats))
+    with record_function("step: forward"):  # the phases, named for `clipstream bench method-step --profile`
+        feats = forward_features(engine.module, batch["image"], batch["text"])
+        terms = {"clip": method.clip_weight * clip_loss(feats.image, feats.text, feats.logit_scale)}
+    with record_function("step: method terms"):
+        terms.update(method.loss_terms(task_ctx, batch, feats))
     loss = sum(terms.values())
-    engine.backward(loss)
+    with record_function("step: backward"):
+        engine.backward(loss)
     task_ctx.lr = engine.get_lr()[0]  # the rate this step applies (the scheduler moves on inside `step`)
-    engine.step()
-    method.after_step(task_ctx)
+    with record_function("step: optimizer"):
+        engine.step()
+    with record_function("step: after_step"):
+        method.after_step(task_ctx)
     return loss, terms
 
 

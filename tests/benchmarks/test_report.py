@@ -38,3 +38,19 @@ def test_an_unknown_benchmark_is_refused(capsys):
     with pytest.raises(SystemExit) as done:
         main(["bench", "nope"])
     assert done.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_a_check_states_its_bound_and_whether_the_figure_meets_it():
+    assert report.check("ratio", 0.93, at_least=0.9) == {"check": "ratio", "value": "0.93", "target": "≥ 0.90",
+                                                         "ok": True, "why": ""}
+    assert not report.check("p99 ms", 5.5, at_most=5.0, fmt="{:.1f}")["ok"]
+    assert report.check("r", 1.0, at_least=0.5, at_most=2.0)["target"] == "≥ 0.50 and ≤ 2.00"
+
+
+def test_targets_are_written_next_to_the_results_for_the_summary_and_as_a_table(tmp_path):
+    import json
+
+    checks = [report.check("a", 1.2, at_most=1.1, why="two extra forward passes"), report.check("b", 1.0, at_least=0.9)]
+    lines = report.targets(tmp_path / "x.md", checks)
+    assert json.loads((tmp_path / "x.json").read_text()) == {"checks": checks}
+    assert lines[-2:] == ["| a | 1.20 | ≤ 1.10 | **not met** (two extra forward passes) |", "| b | 1.00 | ≥ 0.90 | met |"]

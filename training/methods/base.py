@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 
 @dataclass
@@ -55,7 +56,7 @@ class TaskContext:
     def teacher_features(self, batch: dict) -> Features:
         """The teacher's features of this step's batch, computed once however many methods ask."""
         if self._teacher_cache[0] is not batch:
-            with torch.no_grad():
+            with torch.no_grad(), record_function("teacher forward"):
                 self._teacher_cache = (batch, forward_features(self.teacher, batch["image"], batch["text"]))
         return self._teacher_cache[1]
 

@@ -17,6 +17,7 @@ import copy
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from clipstream.training.losses import fill_positives, gather, positive_columns, row_kl
 from clipstream.training.methods.base import Method, forward_features, frozen
@@ -103,8 +104,9 @@ class CTP(Method):
         if self.momentum_model is None:  # resumed mid-task: M comes back from the checkpointed state
             self.momentum_model = frozen(copy.deepcopy(ctx.model))
             self.momentum_model.load_state_dict(self._saved.pop("momentum"))
-        self.update_momentum(ctx)  # every step, before M's forward
-        with torch.no_grad():
+        with record_function("momentum update"):
+            self.update_momentum(ctx)  # every step, before M's forward
+        with torch.no_grad(), record_function("momentum forward"):
             m = forward_features(self.momentum_model, batch["image"], batch["text"])
         q_img, q_txt = self._queue("image", feats), self._queue("text", feats)
         tau = self.params["tau"]

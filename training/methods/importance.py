@@ -19,6 +19,30 @@ from clipstream.training.methods.base import (
 )
 
 
+class QuadraticPull(torch.autograd.Function):
+    """Σ_k ‖s_k ⊙ (θ_k − θ*_k)‖² with s = √(weight·Ω), and its gradient in closed form, 2 s ⊙ s ⊙ (θ − θ*).
+
+    As a graph of elementwise ops (or one flat concatenation of the parameters, as before) autograd made
+    ~20 passes over every parameter per step, 1.29× finetune's step on the tiny models; here forward is a
+    subtraction, a multiplication and a norm per tensor, backward one multiplication, all as `torch._foreach_*`
+    over the parameter list (no concatenation). Upstream scaling (gradient accumulation, fp16 loss scale)
+    arrives as the output gradient, so the engine's arithmetic stays DeepSpeed's."""
+
+    @staticmethod
+    def forward(ctx, scale, anchor, *params):
+        e = torch._foreach_sub([p.float() for p in params], anchor)  # θ − θ* in fp32, whatever the engine's dtype
+        torch._foreach_mul_(e, scale)
+        ctx.pull, ctx.dtypes = (e, scale), [p.dtype for p in params]
+        return torch.stack(torch._foreach_norm(e)).square().sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        e, scale = ctx.pull
+        grads = torch._foreach_mul(e, scale)
+        torch._foreach_mul_(grads, 2 * grad)
+        return (None, None, *(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)))
+
+
 class Importance(Method):
     needs_teacher = True
     kind = ""
@@ -28,7 +52,7 @@ class Importance(Method):
         self.task_end_batches = int(params.get("batches", 8))
         self.importance: dict[str, torch.Tensor] = {}
         self.tasks = 0
-        self._flat = None  # (live parameters, Ω, θ*) for this task: Ω and θ* flat on the device
+        self._flat = None  # (live parameters, √(weight·Ω), θ*) for this task, on the device
 
     def before_task(self, ctx):
         self._flat = None
@@ -40,13 +64,10 @@ class Importance(Method):
             live, anchor = trainable(ctx.model), dict(ctx.teacher.named_parameters())
             names = [n for n in live if n in self.importance]
             self._flat = ([live[n] for n in names],
-                          torch.cat([self.importance[n].reshape(-1) for n in names]).to(ctx.device),
-                          torch.cat([anchor[n].detach().float().reshape(-1) for n in names]).to(ctx.device))
-        params, omega, anchor = self._flat
-        # one flat vector, not a term per parameter tensor: ~3x faster on the tiny models, where the
-        # penalty's per-tensor ops rivalled the model's own step
-        d = torch.cat([p.reshape(-1) for p in params]).float() - anchor
-        return {"penalty": self.params["weight"] * torch.dot(omega * d, d)}
+                          [(self.params["weight"] * self.importance[n].float()).sqrt().to(ctx.device) for n in names],
+                          [anchor[n].detach().float() for n in names])
+        params, scale, anchor = self._flat
+        return {"penalty": QuadraticPull.apply(scale, anchor, *params)}
 
     def after_task(self, ctx: TaskContext, batches: list[dict]) -> None:
         params = trainable(ctx.model)

@@ -247,6 +247,25 @@ def test_importances_are_nonnegative_and_merge_as_the_papers_say(pair):
         assert float(method.loss_terms(anchored, batch, feats)["penalty"]) > 0
 
 
+@pytest.mark.parametrize("name", ["ewc", "mas"])
+@pytest.mark.parametrize("upstream", [1.0, 0.25])  # 0.25: the 1/grad_accum (or a loss scale) DeepSpeed applies
+def test_the_penalty_and_its_closed_form_gradient_equal_the_quadratic_through_autograd(pair, name, upstream):
+    student, teacher, batch = pair
+    method = build(resolve(name)).components[0]
+    model = copy.deepcopy(student)
+    method.after_task(_ctx(model, teacher, 0), [batch])
+    ctx = _ctx(model, teacher)
+    method.before_task(ctx)
+    penalty = method.loss_terms(ctx, batch, None)["penalty"]
+    params = [p for p in model.parameters() if p.requires_grad]
+    ours = torch.autograd.grad(upstream * penalty, params)
+    anchor, weight = dict(teacher.named_parameters()), method.params["weight"]
+    reference = weight * sum((method.importance[n] * (p - anchor[n]).pow(2)).sum() for n, p in model.named_parameters())
+    theirs = torch.autograd.grad(upstream * reference, params)
+    assert float(penalty) > 0 and torch.allclose(penalty, reference, rtol=1e-5)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-9) for a, b in zip(ours, theirs))
+
+
 def test_mas_measures_the_pre_normalisation_features(pair):
     student, teacher, batch = pair
     feats = forward_features(student, batch["image"], batch["text"])

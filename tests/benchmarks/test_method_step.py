@@ -1,0 +1,28 @@
+"""`clipstream bench method-step`: every method's step on its own engine in its second task's state, the
+targets it is held to, and the profile of where a step's time goes."""
+
+import json
+
+from clipstream.benchmarks import method_step as bench
+
+
+def test_a_small_run_times_each_method_profiles_it_and_checks_the_targets(tmp_path):
+    out = tmp_path / "method-step.md"
+    text = bench.main(["--methods", "finetune,ewc,teir", "--profile", "ewc", "--steps", "1", "--rounds", "1",
+                       "--batch", "8", "--out", str(out)])
+    assert text == out.read_text()
+    for name in ("finetune", "ewc", "teir"):  # teir: CLL-CLIP's grown vocabulary and pinned teacher, built as the job does
+        assert f"\n| {name} | " in text
+    checks = {c["check"]: c for c in json.loads(out.with_suffix(".json").read_text())["checks"]}
+    assert set(checks) == {"ewc step ×finetune", "teir step ×finetune"}
+    assert checks["ewc step ×finetune"]["target"] == "≤ 1.10" and checks["teir step ×finetune"]["target"] == "≤ 1.05"
+    profile = text.split("## Where a step's time goes")[1].split("## Targets")[0]
+    assert "| phase | finetune | ewc |" in profile and "| step: backward |" in profile
+    assert "| step: method terms | 0.0 |" in profile  # finetune adds no terms; EWC its closed-form pull
+
+
+def test_the_profile_table_puts_phases_in_step_order_and_marks_what_a_method_does_not_run():
+    lines = bench.phases({"finetune": {"step: forward": 10.0, "step: backward": 20.0},
+                          "ctp": {"step: forward": 10.0, "momentum forward": 9.5, "step: backward": 21.0}}, 5)
+    assert lines[2:7] == ["| phase | finetune | ctp |", "|---|---|---|", "| step: forward | 10.0 | 10.0 |",
+                          "|   momentum forward | – | 9.5 |", "| step: backward | 20.0 | 21.0 |"]
