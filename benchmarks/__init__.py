@@ -4,6 +4,7 @@ Every figure is measured side by side against its baseline in the same run."""
 
 # `clipstream bench NAME` -> the module that runs it (imported only when asked: they pull in Ray, DeepSpeed...)
 BENCHMARKS = {
+    "all": "suite",  # every cost benchmark below in one run (--quick: small sizes), with the summary of targets
     "methods": "continual_methods",  # every continual method on one stream: AA, forgetting, BWT, step cost
     "languages": "languages",  # CLL-CLIP and TEIR on a language stream against fine-tuned token embeddings
     "index-policy": "index_policy",  # no-reindex vs reindex through the vector index
@@ -11,4 +12,6 @@ BENCHMARKS = {
     "train-throughput": "train_throughput",  # the task job against a plain PyTorch open_clip loop
     "grpc-encode": "grpc_encode",  # gRPC encoding through Ray Serve against the in-process model
     "reliability": "reliability",  # serving under load and faults; every fault and bad input with its outcome
+    "stream-growth": "stream_growth",  # wall, step, memory and evaluation time per task as the stream grows
+    "gpu": "gpu",  # bf16 DeepSpeed training throughput, MFU and encoder images/s on a GPU (skipped without one)
 }

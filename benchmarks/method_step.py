@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import socket
 import statistics
 import tempfile
 import time
@@ -91,6 +92,13 @@ def timed(engine, method, ctx, data: list[dict], steps: int) -> float:
     return 1000 * (time.perf_counter() - tic) / steps
 
 
+def _free_port() -> int:
+    """A loopback port nobody listens on now: the rendezvous of this process's one-rank process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # the phases `train_step` and the methods name with torch.profiler.record_function, in the order a step runs them
 PHASES = ["step: forward", "step: method terms", "teacher forward", "momentum update", "momentum forward",
           "step: backward", "step: optimizer", "step: after_step"]
@@ -134,7 +142,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
         parser.error("--methods must include finetune, the baseline")
     torch.set_num_threads(args.threads)
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": os.environ.get("MASTER_PORT", "29533")})
+                       "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port())})
     deepspeed.init_distributed(dist_backend="gloo")
 
     with tempfile.TemporaryDirectory() as tmp:

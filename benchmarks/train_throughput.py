@@ -1,52 +1,69 @@
 """Training throughput: clipstream's task job (Ray Data → Ray Train → DeepSpeed) vs a plain PyTorch
-open_clip loop on the same data, model, batch size and optimizer, measured side by side in one run.
+open_clip loop on the same data, model, batch size and optimizer; and the job on 2 workers with ZeRO
+stage 0 vs 2 (samples/s and each worker's peak memory). Measured side by side in one run.
 
     clipstream bench train-throughput [--pairs 2000] [--epochs 3] [--batch 32] [--rounds 2]
+                                      [--zero-stages 0,2] [--zero-workers 2] [--zero-rounds 1]
 
 Each side reports steady-state samples/s of its last epoch (the first epochs carry start-up: Ray
-Data planning, DeepSpeed op builds, DataLoader worker spawn); the two alternate for `--rounds` rounds
-and the medians are compared, since a 2-core machine drifts by ±10% between runs.
-Writes benchmarks/results/train-throughput.md.
+Data planning, DeepSpeed op builds, DataLoader worker spawn); the sides alternate for `--rounds` rounds
+and the medians are compared, since a 2-core machine drifts by ±10% between runs (the ZeRO jobs, which
+cost a minute each, run in the first `--zero-rounds` rounds). A worker's peak
+memory is the peak resident set (VmHWM) of its Ray Train worker process, sampled from outside the job
+every 0.2 s; next to it, ZeRO's own count of the model states a worker holds (fp32 params, grads and
+AdamW's two moments: 16 bytes per parameter at stage 0; 4 + 16/N at stage 2 on N workers).
+Ray starts its workers 15 nice levels below the driver, where the plain loop runs; here they run at the
+driver's priority (RAY_worker_niceness=0), so that on a busy machine both sides compete on equal terms.
+Target: the job ≥ 0.95× the plain loop at 1 worker. Writes benchmarks/results/train-throughput.md and
+train-throughput.json (the check).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Sequence
 
-import torch
-from open_clip.loss import ClipLoss
-from torch.utils.data import DataLoader, Dataset
-
-from clipstream import models
 from clipstream.benchmarks import report
-from clipstream.registry import Registry
-from clipstream.settings import Settings
-from clipstream.training.data.synth import synthesize
-from clipstream.training.data.task import Task
-from clipstream.training.job import run_task
+
+TARGET = 0.95  # the job on 1 worker ÷ the plain loop
+WORKER_NICENESS = "RAY_worker_niceness"  # Ray starts its workers this much nicer than the raylet (default 15)
+MIB = 1 << 20
 
 
-class Pairs(Dataset):
-    def __init__(self, task: Task, preprocess, tokenizer):
+class Pairs:
+    """The task's training pairs as a map-style dataset: (preprocessed image, tokens)."""
+
+    def __init__(self, task, preprocess, tokenizer):
         self.task, self.rows, self.preprocess, self.tokenizer = task, task.check("train").rows, preprocess, tokenizer
 
     def __len__(self):
         return len(self.rows)
 
     def __getitem__(self, i):
+        from clipstream import models
+
         row = self.rows[i]
         return self.preprocess(models.load_image(self.task.image(row))), self.tokenizer([row["caption"]])[0]
 
 
-def plain_pytorch(task: Task, arch: str, batch: int, epochs: int, lr: float) -> tuple[float, float]:
+def plain_pytorch(task, arch: str, batch: int, epochs: int, lr: float) -> dict:
     """The loop an open_clip user would write: DataLoader, AdamW, ClipLoss. Returns the last epoch's
-    samples/s and its mean step time in ms (batch in hand to optimizer step done), as the engine reports."""
+    samples/s ("rate") and its mean step time in ms (batch in hand to optimizer step done), as the engine
+    reports, and the loop's wall seconds, model creation included."""
+    import torch
+    from open_clip.loss import ClipLoss
+    from torch.utils.data import DataLoader
+
+    from clipstream import models
+
+    wall = time.perf_counter()
     torch.manual_seed(0)
     bundle = models.create(arch)
     model = bundle.model.train()
@@ -68,56 +85,215 @@ def plain_pytorch(task: Task, arch: str, batch: int, epochs: int, lr: float) -> 
             seen, steps = seen + images.shape[0], steps + 1
         rate = seen / (time.perf_counter() - tic)
         print(f"[plain] epoch samples/s {rate:.1f}", flush=True)
-    return rate, 1000 * busy / max(steps, 1)
+    return {"rate": rate, "step_ms": 1000 * busy / max(steps, 1), "seconds": time.perf_counter() - wall}
 
 
-def clipstream_job(task_dir: Path, arch: str, batch: int, epochs: int, lr: float, home: Path) -> tuple[float, float]:
+class PeakMemory:
+    """The peak resident set (VmHWM) of each Ray Train worker process this process's Ray cluster runs while the
+    block does (descendants of this process whose title names RayTrainWorker), sampled every `every_s`."""
+
+    def __init__(self, match: str = "RayTrainWorker", every_s: float = 0.2):
+        self.match, self.every_s, self.peaks = match, every_s, {}
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        self._before = {p.pid for p in self._workers()}  # a previous job's workers, still exiting
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def per_worker_mib(self) -> list[float]:
+        return sorted((v / MIB for v in self.peaks.values()), reverse=True)
+
+    def _workers(self):
+        import psutil
+
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                if self.match in " ".join(proc.cmdline()):
+                    yield proc
+            except psutil.Error:
+                continue
+
+    def _poll(self):
+        while not self._stop.is_set():
+            for proc in self._workers():
+                if proc.pid not in self._before:
+                    peak = vm_hwm(proc.pid)
+                    if peak:
+                        self.peaks[proc.pid] = max(self.peaks.get(proc.pid, 0), peak)
+            self._stop.wait(self.every_s)
+
+
+def vm_hwm(pid: int) -> int:
+    """A process's peak resident set in bytes (Linux /proc VmHWM); 0 when it is gone or unknown."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def clipstream_job(task_dir: Path, arch: str, batch: int, epochs: int, lr: float, home: Path, workers: int = 1,
+                   extra: Sequence[str] = ()) -> dict:
+    """The task job (`clipstream train`'s), its last epoch's samples/s (all workers) and step ms from the run's
+    metrics, each worker's peak memory in MiB, and the job's wall seconds (Ray start-up, data, training,
+    evaluation, registration)."""
+    from clipstream.registry import Registry
+    from clipstream.settings import Settings
+    from clipstream.training.job import run_task
+
     settings = Settings(home=home)
-    result = run_task(task_dir, "finetune", None, workers=1, settings=settings,
-                      overrides=[f"model.arch={arch}", f"train.micro_batch={batch}", f"train.epochs={epochs}",
-                                 f"train.lr={lr}", "train.log_every=1000000"])
-    registry = Registry(settings)
-    metrics = registry.run_metrics(result.run_id)
-    return metrics["train/samples_per_s"], metrics["train/step_ms"]
+    with PeakMemory() as memory:
+        result = run_task(task_dir, "finetune", None, workers=workers, settings=settings,
+                          overrides=[f"model.arch={arch}", f"train.micro_batch={batch}", f"train.epochs={epochs}",
+                                     f"train.lr={lr}", "train.log_every=1000000", *extra])
+    metrics = Registry(settings).run_metrics(result.run_id)
+    return {"rate": metrics["train/samples_per_s"], "step_ms": metrics["train/step_ms"], "peak_mib": memory.per_worker_mib(),
+            "seconds": result.seconds}
+
+
+def model_state_mib(params: int, stage: int, workers: int) -> float:
+    """ZeRO's count of one worker's fp32 model states with AdamW: params, grads and two moments (16 B/param) at
+    stage 0; at stage 2 the module's params stay whole (4 B) and the master copy, grads and moments are split."""
+    per_param = 16.0 if stage == 0 else 4.0 + 16.0 / workers if stage in (1, 2) else 16.0 / workers
+    return params * per_param / MIB
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=2000)
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", type=int, default=32, help="micro batch per worker")
     p.add_argument("--arch", default="clipstream-vit-tiny")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--zero-stages", default="0,2", help="ZeRO stages compared on --zero-workers workers (none: skip)")
+    p.add_argument("--zero-workers", type=int, default=2)
+    p.add_argument("--zero-rounds", type=int, default=1, help="rounds that also run the ZeRO jobs (the first ones)")
     p.add_argument("--out", default=str(report.RESULTS / "train-throughput.md"))
     args = p.parse_args(argv)
+    stages = [] if args.zero_stages.strip().lower() in ("", "none") else [int(s) for s in args.zero_stages.split(",")]
 
+    import torch
+
+    from clipstream import models
+    from clipstream.training.data.synth import synthesize
+    from clipstream.training.data.task import Task
+
+    os.environ.setdefault(WORKER_NICENESS, "0")  # (read when this process starts Ray, in the first job)
+    wall, load = time.perf_counter(), os.getloadavg()[0]
+    runs: dict = {"plain": [], "clipstream": [], "zero": {s: [] for s in stages}}
     with tempfile.TemporaryDirectory() as tmp:
         task_dir = synthesize(Path(tmp) / "data", tasks=1, seed=0, train_pairs=args.pairs, test_per_task=32, digits=False)[0]
         task = Task.load(task_dir)
-        plain_runs, our_runs = [], []
         for r in range(args.rounds):
-            plain_runs.append(plain_pytorch(task, args.arch, args.batch, args.epochs, 1e-3))
-            our_runs.append(clipstream_job(task_dir, args.arch, args.batch, args.epochs, 1e-3, Path(tmp) / f"home{r}"))
-        plains, oursl = [r for r, _ in plain_runs], [r for r, _ in our_runs]
-        plain, ours = statistics.median(plains), statistics.median(oursl)
-        plain_step, our_step = statistics.median(s for _, s in plain_runs), statistics.median(s for _, s in our_runs)
-
-    text = report.write(args.out, [
-        f"# Training throughput, {args.arch}, batch {args.batch}, {args.pairs} pairs, last of {args.epochs} epochs", "",
-        f"Device: {report.device(f'{torch.get_num_threads()} torch threads')}. Command: `clipstream bench "
-        f"train-throughput --pairs {args.pairs} --epochs {args.epochs} --batch {args.batch} --arch {args.arch} "
-        f"--rounds {args.rounds}`", "",
-        "Step = batch in hand to optimizer step done; the rest of each step's share of the epoch is waiting for input.",
-        "",
-        *report.table(["loop", "samples/s (median)", "rounds", "ratio", "step ms (median)", "waiting for input"], [
-            ["plain PyTorch (DataLoader + AdamW + ClipLoss, 1 process)", plain, ", ".join(f"{v:.0f}" for v in plains),
-             "1.00", plain_step, _waiting(plain, plain_step, args.batch)],
-            ["clipstream (Ray Data → Ray Train, 1 DeepSpeed worker)", ours, ", ".join(f"{v:.0f}" for v in oursl),
-             f"{ours / plain:.2f}", our_step, _waiting(ours, our_step, args.batch)]])])
+            runs["plain"].append(plain_pytorch(task, args.arch, args.batch, args.epochs, 1e-3))
+            runs["clipstream"].append(clipstream_job(task_dir, args.arch, args.batch, args.epochs, 1e-3,
+                                                     Path(tmp) / f"home{r}"))
+            for s in stages if r < args.zero_rounds else ():
+                runs["zero"][s].append(clipstream_job(task_dir, args.arch, args.batch, args.epochs, 1e-3,
+                                                      Path(tmp) / f"home{r}-zero{s}", args.zero_workers,
+                                                      [f"train.zero_stage={s}"]))
+            print(f"[round {r + 1}/{args.rounds}] plain {runs['plain'][-1]['rate']:.0f}, clipstream "
+                  f"{runs['clipstream'][-1]['rate']:.0f}" + "".join(
+                      f", ZeRO {s} x{args.zero_workers} {runs['zero'][s][-1]['rate']:.0f} samples/s "
+                      f"(peak {', '.join(f'{m:.0f}' for m in runs['zero'][s][-1]['peak_mib'])} MiB)"
+                      for s in stages if r < args.zero_rounds),
+                  flush=True)
+    params = sum(t.numel() for t in models.create(args.arch).model.parameters())
+    command = (f"clipstream bench train-throughput --pairs {args.pairs} --epochs {args.epochs} --batch {args.batch} "
+               f"--arch {args.arch} --rounds {args.rounds} --zero-stages {','.join(map(str, stages)) or 'none'}"
+               + (f" --zero-workers {args.zero_workers} --zero-rounds {args.zero_rounds}" if stages else "")
+               + f" --out {args.out}")
+    device = report.device(f"{torch.get_num_threads()} torch threads",
+                           f"load average {load:.1f} at start, {os.getloadavg()[0]:.1f} at end")
+    text = throughput_report(runs, Path(args.out), command, device, args.arch, args.batch, args.pairs, args.epochs,
+                             args.zero_workers, params, time.perf_counter() - wall)
     print(text)
-    print(json.dumps({"plain": plain, "clipstream": ours, "ratio": ours / plain, "plain_step_ms": plain_step,
-                      "clipstream_step_ms": our_step}))
+    print(json.dumps(verdict(runs)))
     return text
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _wall(runs: list[dict]) -> str:
+    seconds = [r["seconds"] for r in runs if "seconds" in r]
+    return f"{statistics.median(seconds):.0f}" if seconds else "-"
+
+
+def _peaks(runs: list[dict]) -> list[float]:
+    """Each worker's peak over rounds (workers ranked by their peak within a round)."""
+    width = max((len(r["peak_mib"]) for r in runs), default=0)
+    return [statistics.median(r["peak_mib"][i] for r in runs if len(r["peak_mib"]) > i) for i in range(width)]
+
+
+def verdict(runs: dict) -> dict:
+    plain, ours = _median(runs["plain"], "rate"), _median(runs["clipstream"], "rate")
+    out = {"plain": plain, "clipstream": ours, "ratio": ours / plain, "target": TARGET, "pass": ours / plain >= TARGET,
+           "plain_step_ms": _median(runs["plain"], "step_ms"), "clipstream_step_ms": _median(runs["clipstream"], "step_ms")}
+    zero = {s: {"samples_per_s": _median(r, "rate"), "peak_mib": _peaks(r)} for s, r in runs.get("zero", {}).items() if r}
+    if zero:
+        out["zero"] = zero
+        if 0 in zero:
+            for s in zero:
+                zero[s]["vs_zero0"] = zero[s]["samples_per_s"] / zero[0]["samples_per_s"]
+    return out
+
+
+def throughput_report(runs: dict, out: Path, command: str, device: str, arch: str, batch: int, pairs: int, epochs: int,
+                      zero_workers: int, params: int, seconds: float | None = None) -> str:
+    """Write the tables to `out` and return the markdown. `runs`: "plain" and "clipstream" -> per round {"rate":
+    samples/s, "step_ms"}; "zero" -> stage -> per round {"rate", "step_ms", "peak_mib": per worker}."""
+    v = verdict(runs)
+    plain, ours = v["plain"], v["clipstream"]
+    rounds = lambda rs: ", ".join(f"{r['rate']:.0f}" for r in rs)  # noqa: E731
+    lines = [f"# Training throughput, {arch}, batch {batch}, {pairs} pairs, last of {epochs} epochs", "",
+             f"Reproduce: `{command}`", "",
+             f"Device: {device}." + (f" Wall time {seconds / 60:.1f} min." if seconds else ""), "",
+             "Step = batch in hand to optimizer step done; the rest of each step's share of the epoch is waiting for input. "
+             "Wall = the whole loop or task job (for the job: Ray start-up, data, training, evaluation, registration).",
+             "",
+             *report.table(["loop", "samples/s (median)", "rounds", "ratio", "step ms (median)", "waiting for input",
+                            "wall s (median)"], [
+                 ["plain PyTorch (DataLoader + AdamW + ClipLoss, 1 process)", plain, rounds(runs["plain"]), "1.00",
+                  v["plain_step_ms"], _waiting(plain, v["plain_step_ms"], batch), _wall(runs["plain"])],
+                 ["clipstream (Ray Data → Ray Train, 1 DeepSpeed worker)", ours, rounds(runs["clipstream"]),
+                  f"{ours / plain:.2f}", v["clipstream_step_ms"], _waiting(ours, v["clipstream_step_ms"], batch),
+                  _wall(runs["clipstream"])]])]
+    if v.get("zero"):
+        lines += ["", f"## ZeRO stages on {zero_workers} workers", "",
+                  f"The same job on {zero_workers} Ray Train workers (micro batch {batch} each), `--set "
+                  "train.zero_stage=S`. samples/s = all workers' samples in the last epoch ÷ its time. Peak memory = "
+                  "the peak resident set (VmHWM) of each worker's process, median over rounds (it includes the "
+                  f"~hundreds of MiB of torch and Ray every process maps); model states = ZeRO's count for "
+                  f"{params / 1e6:.2f} M parameters (fp32 params, grads, AdamW moments).", ""]
+        rows = []
+        for s, z in v["zero"].items():
+            rows.append([s, z["samples_per_s"], rounds(runs["zero"][s]), f"{z['vs_zero0']:.2f}" if "vs_zero0" in z else "-",
+                         _median(runs["zero"][s], "step_ms"), " / ".join(f"{m:.0f}" for m in z["peak_mib"]) or "-",
+                         f"{max(z['peak_mib']) - max(v['zero'][0]['peak_mib']):+.0f}" if 0 in v["zero"] and z["peak_mib"]
+                         and v["zero"][0]["peak_mib"] else "-",
+                         model_state_mib(params, s, zero_workers), _wall(runs["zero"][s])])
+        lines += report.table(["ZeRO stage", "samples/s (median)", "rounds", "×ZeRO 0", "step ms (median)",
+                               "peak memory per worker (MiB)", "max peak vs ZeRO 0 (MiB)", "model states per worker (MiB)",
+                               "wall s (median)"], rows)
+    lines += ["", *report.targets(out, [report.check("clipstream ÷ plain PyTorch samples/s, 1 worker", ours / plain,
+                                                     at_least=TARGET)])]
+    lines += ["", f"Verdict: clipstream at 1 worker is {ours / plain:.2f}× the plain loop (target ≥ {TARGET:.2f}: "
+              + ("met" if v["pass"] else "NOT met") + ")." + "".join(
+                  f" ZeRO {s} on {zero_workers} workers: {z['vs_zero0']:.2f}× ZeRO 0's samples/s" +
+                  (f", peak {max(z['peak_mib']):.0f} MiB vs {max(v['zero'][0]['peak_mib']):.0f} MiB."
+                   if z["peak_mib"] and v["zero"][0]["peak_mib"] else ".")
+                  for s, z in v.get("zero", {}).items() if s != 0 and "vs_zero0" in z)]
+    return report.write(out, lines)
 
 
 def _waiting(rate: float, step_ms: float, batch: int) -> str:

@@ -421,43 +421,72 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
     return staged
 
 
+# the test-split vectors of the last version this process evaluated: the next task's job, when it runs in this process
+# too (a stream of `clipstream demo`, a benchmark), takes its parent's from here instead of embedding them again
+_GALLERIES = evaluate.GalleryCache(keep=1)
+
+
 def evaluate_version(plan: Plan, trained: Path, plots: Path) -> Evaluation:
     """The trained model on the test split of every task seen so far: the parent's R matrices grow by
     one row, logged with AA / forgetting / BWT and heatmaps; from task 2 on, Mod-X's spatial disorder
-    of the old tasks' test pairs between the parent and this version."""
+    of the old tasks' test pairs between the parent and this version.
+
+    Each version embeds each task's test split once, the seen tasks' rows together in batches of `eval.batch_size`;
+    the parent's vectors of the old tasks are the ones its own evaluation made when that ran in this process
+    (`_GALLERIES`), else embedded again. Logged: eval/seconds and eval/cpu_seconds (this step's wall time, and the
+    CPU time of this process meanwhile), eval/gallery_pairs (the union gallery of the seen tasks) and
+    eval/embedded_pairs (the test pairs this step embedded, with every model)."""
+    tic, cpu = time.perf_counter(), time.process_time()
+    batch = int(plan.config.get("eval", {}).get("batch_size", 256))
     bundle = models.load_exported(trained)
-    embedded = [evaluate.embed_task(bundle, _task_of(e)) for e in [*plan.history, plan.current]]
+    seen = [*plan.history, plan.current]
+    embedded = evaluate.embed_tasks(bundle, [_task_of(e) for e in seen], batch_size=batch)
+    gallery = sum(len(e.txt) for e in embedded)
     scores = evaluate.evaluate_seen(embedded)
     previous = plan.parent.manifest.get("matrix", {}) if plan.parent else {}
-    matrices = {}
+    matrices, logged = {}, {}  # (the metrics of every seen task go to MLflow in one call)
     for mode in ("known", "unknown"):
         matrix = evaluate.ResultMatrix.from_dict(previous[mode]) if previous else evaluate.ResultMatrix()
         matrix.add_row(plan.task.name, {name: m["Rm"] for name, m in scores[mode].items()})
         for name, metrics in scores[mode].items():
-            mlflow.log_metrics({f"eval/{mode}/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
-        mlflow.log_metrics({f"{mode}/AA": matrix.average_accuracy(), f"{mode}/forgetting": matrix.mean_forgetting(),
-                            f"{mode}/BWT": matrix.bwt()})
+            logged.update({f"eval/{mode}/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
+        logged.update({f"{mode}/AA": matrix.average_accuracy(), f"{mode}/forgetting": matrix.mean_forgetting(),
+                       f"{mode}/BWT": matrix.bwt()})
         mlflow.log_dict(matrix.to_dict(), f"matrix_{mode}.json")
         matrix.heatmap(plots / f"{plan.run_name}-{mode}.png", title=f"R[i][j] (Rm, task-{mode}) after {plan.task.name}")
         matrices[mode] = matrix
-    zero_shot = _zero_shot(plan, bundle)
+    mlflow.log_metrics(logged)
+    zero_shot, zero_shot_pairs = _zero_shot(plan, bundle, batch)
+    embedded_pairs = gallery + zero_shot_pairs
     if plan.parent:  # how the old tasks' test pairs moved from the parent to this version
-        parent = models.load_exported(plan.parent.folder)
-        before = [evaluate.embed_task(parent, _task_of(e)) for e in plan.history]
-        probe = [np.concatenate([getattr(e, m) for e in es]) for es in (before, embedded[:-1]) for m in ("img", "txt")]
-        mlflow.log_metrics(diagnostics.spatial_disorder(*probe))  # old_img, old_txt, new_img, new_txt
+        before = _GALLERIES.get(plan.parent.run_id, plan.history, batch)
+        if before is None:  # (the parent was evaluated in another process)
+            parent = models.load_exported(plan.parent.folder)
+            before = [(e.img, e.txt) for e in evaluate.embed_tasks(parent, [_task_of(e) for e in plan.history],
+                                                                     batch_size=batch)]
+            embedded_pairs += sum(len(txt) for _, txt in before)
+        old_img, old_txt = (np.concatenate(vectors) for vectors in zip(*before))
+        new_img, new_txt = (np.concatenate([getattr(e, m) for e in embedded[:-1]]) for m in ("img", "txt"))
+        probe = (old_img, old_txt, new_img, new_txt)
+        mlflow.log_metrics(diagnostics.spatial_disorder(*probe))
         diagnostics.plot_spatial_disorder(*probe, plots / f"{plan.run_name}-spatial-disorder.png",
                                           title=f"v{plan.parent.version} -> {plan.task.name}: old tasks' test pairs")
     mlflow.log_artifacts(str(plots), "plots")
+    run = mlflow.active_run()
+    if run:  # for the next task's job, whose parent this version will be
+        _GALLERIES.put(run.info.run_id, seen, embedded, batch)
+    mlflow.log_metrics({"eval/seconds": time.perf_counter() - tic, "eval/cpu_seconds": time.process_time() - cpu,
+                        "eval/gallery_pairs": gallery, "eval/embedded_pairs": embedded_pairs})
     return Evaluation(matrices["known"], matrices["unknown"], plots / f"{plan.run_name}-known.png", zero_shot)
 
 
-def _zero_shot(plan: Plan, bundle: models.ClipBundle) -> list[float]:
+def _zero_shot(plan: Plan, bundle: models.ClipBundle, batch_size: int = 256) -> tuple[list[float], int]:
     """Retrieval on the held-out tasks (each in its own gallery), logged per task and as the mean Rm with its
-    drop from the first version evaluated on the same set; returns that mean for every such version so far."""
+    drop from the first version evaluated on the same set; returns that mean for every such version so far, and
+    the test pairs embedded."""
     if not plan.zero_shot:
-        return []
-    embedded = [evaluate.embed_task(bundle, _task_of(e)) for e in plan.zero_shot]
+        return [], 0
+    embedded = evaluate.embed_tasks(bundle, [_task_of(e) for e in plan.zero_shot], batch_size=batch_size)
     scores = {e.task: evaluate.retrieval_metrics(e.img, e.txt, e.positive) for e in embedded}
     for name, metrics in scores.items():
         mlflow.log_metrics({f"eval/zero_shot/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
@@ -465,7 +494,7 @@ def _zero_shot(plan: Plan, bundle: models.ClipBundle) -> list[float]:
     same_set = before.get("tasks") == plan.zero_shot  # (same names, paths and data) else the history restarts
     history = [*(before.get("Rm", []) if same_set else []), float(np.mean([m["Rm"] for m in scores.values()]))]
     mlflow.log_metrics({"zero_shot/Rm": history[-1], "zero_shot/drop": history[0] - history[-1]})
-    return history
+    return history, sum(len(e.txt) for e in embedded)
 
 
 def register(registry: Registry, plan: Plan, trained: Path, result: Evaluation) -> str:

@@ -7,7 +7,10 @@ from PIL import Image
 from clipstream.training.evaluate import (
     KS,
     Embedded,
+    GalleryCache,
     ResultMatrix,
+    embed_task,
+    embed_tasks,
     evaluate_seen,
     positives,
     recall_at_k,
@@ -293,3 +296,137 @@ def test_format_table_contains_numbers():
     lines = text.splitlines()
     assert len({len(line) for line in lines[:4]}) == 1  # header + 3 rows are fixed-width
     assert "BWT" in text and "forgetting" in text
+
+
+# ---------------------------------------------------------------- embedding a stream's galleries
+
+
+class _CountingBundle:
+    """A stand-in model: each image or caption's vector is a function of it alone; counts the model calls."""
+
+    def __init__(self):
+        self.calls = {"image": [], "text": []}
+
+    def embed_images(self, images, batch_size):
+        return self._embed("image", [str(x) for x in images], batch_size)
+
+    def embed_texts(self, texts, batch_size):
+        return self._embed("text", list(texts), batch_size)
+
+    def _embed(self, tower, items, batch_size):
+        out = []
+        for s in range(0, len(items), batch_size):
+            chunk = items[s : s + batch_size]
+            self.calls[tower].append(len(chunk))
+            out += [unit_rows(1, 8, seed=sum(map(ord, x)))[0] for x in chunk]
+        return np.array(out, np.float32).reshape(-1, 8)
+
+
+def test_embed_tasks_embeds_every_row_once_in_shared_batches_as_embed_task_would(stream):
+    from clipstream.training.data.task import Task
+
+    tasks = [Task.load(p) for p in stream]
+    sizes = [len(t.check("test").rows) for t in tasks]  # 24 + 24
+    bundle = _CountingBundle()
+    together = embed_tasks(bundle, tasks, batch_size=20)
+    # 48 rows in batches of 20 across the task boundary: 3 calls per tower, each row once
+    assert bundle.calls == {"image": [20, 20, 8], "text": [20, 20, 8]}
+    alone = [embed_task(_CountingBundle(), t, batch_size=20) for t in tasks]  # 24 = 20 + 4 each: 4 calls per tower
+    assert [e.task for e in together] == [t.name for t in tasks] and [len(e.img) for e in together] == sizes
+    for a, b in zip(together, alone):
+        np.testing.assert_array_equal(a.img, b.img)
+        np.testing.assert_array_equal(a.txt, b.txt)
+        np.testing.assert_array_equal(a.positive, b.positive)
+    assert embed_tasks(bundle, [], batch_size=20) == []
+
+
+def test_embed_tasks_gives_a_real_model_the_vectors_embed_task_does(stream):
+    import torch
+
+    from clipstream import models
+    from clipstream.training.data.task import Task
+
+    torch.manual_seed(0)
+    bundle = models.create("clipstream-vit-tiny")
+    tasks = [Task.load(p) for p in stream]
+    together = embed_tasks(bundle, tasks, batch_size=7)  # batches that straddle the two tasks
+    for a, t in zip(together, tasks):
+        b = embed_task(bundle, t)
+        np.testing.assert_allclose(a.img, b.img, atol=1e-6)
+        np.testing.assert_allclose(a.txt, b.txt, atol=1e-6)
+        assert retrieval_metrics(a.img, a.txt, a.positive) == retrieval_metrics(b.img, b.txt, b.positive)
+
+
+def test_gallery_cache_holds_the_last_versions_vectors_by_run_and_task_entry():
+    entries = [{"task": "a", "path": "/d/a", "data_sha": "1"}, {"task": "b", "path": "/d/b", "data_sha": "2"}]
+    embedded = [Embedded(e["task"], unit_rows(3, 4, i), unit_rows(3, 4, i + 9), np.eye(3, dtype=bool))
+                for i, e in enumerate(entries)]
+    cache = GalleryCache(keep=1)
+    cache.put("run-1", entries, embedded, 256)
+    got = cache.get("run-1", entries[:1], 256)
+    assert len(got) == 1 and got[0][0] is embedded[0].img and got[0][1] is embedded[0].txt
+    assert cache.get("run-1", [{**entries[0], "data_sha": "changed"}], 256) is None  # other data: not these vectors
+    assert cache.get("run-1", entries, 64) is None  # other batches
+    assert cache.get("run-2", entries, 256) is None
+    cache.put("run-2", entries[1:], embedded[1:], 256)  # keep=1: run-1's are dropped
+    assert cache.get("run-1", entries[:1], 256) is None and cache.get("run-2", entries[1:], 256) is not None
+    assert cache.get("run-2", entries, 256) is None  # not all held
+    with pytest.raises(ValueError):
+        cache.put("run-3", entries, embedded[:1], 256)
+    with pytest.raises(ValueError):
+        GalleryCache(keep=0)
+
+
+def test_each_version_embeds_each_gallery_once_and_the_next_job_reuses_its_parents(settings, stream, tmp_path,
+                                                                                  monkeypatch):
+    """Two jobs' evaluations in one process: the second embeds the two seen galleries with its own model and takes
+    its parent's vectors of the first task from the parent's evaluation instead of embedding them again; the
+    spatial disorder it logs is the one a fresh embedding by the parent gives."""
+    import tempfile
+
+    import torch
+
+    from clipstream import models
+    from clipstream.registry import Registry
+    from clipstream.training import diagnostics
+    from clipstream.training.data.task import Task
+    from clipstream.training.engine import METHOD_STATE_FILE
+    from clipstream.training.job import evaluate_version, prepare, register
+    from clipstream.training.methods.state import save_state
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the jobs' scratch dirs
+    embedded = []  # (which model, images embedded) per call
+    original = models.ClipBundle.embed_images
+
+    def counting(self, images, batch_size=256):
+        images = list(images)
+        embedded.append((id(self.model), len(images)))
+        return original(self, images, batch_size)
+
+    monkeypatch.setattr(models.ClipBundle, "embed_images", counting)
+    registry = Registry(settings)
+    versions, runs = [], []
+    for seed, task_dir in enumerate(stream):
+        plan = prepare(registry, task_dir, "finetune", versions[-1] if versions else None, workers=1,
+                       overrides=["train.micro_batch=8"])
+        with registry.run(plan.run_name, plan.tags) as run_id:
+            torch.manual_seed(seed)
+            trained = plan.workdir / "checkpoint"
+            models.export(models.create(plan.config["model"]["arch"]), trained)
+            save_state(plan.method.state_dict(), trained / METHOD_STATE_FILE)
+            embedded.clear()
+            result = evaluate_version(plan, trained, settings.home / "plots" / run_id)
+            versions.append(register(registry, plan, trained, result))
+            runs.append(run_id)
+        gallery = sum(len(Task.load(p).check("test").rows) for p in stream[: seed + 1])
+        # one model, one pass over the seen tasks' test images: nothing embedded twice, the parent embeds nothing
+        assert len({model for model, _ in embedded}) == 1 and sum(n for _, n in embedded) == gallery
+        metrics = registry.run_metrics(run_id)
+        assert metrics["eval/gallery_pairs"] == metrics["eval/embedded_pairs"] == gallery
+        assert metrics["eval/seconds"] > 0
+    # the reused vectors are the parent's own: the spatial disorder is the one a fresh embedding gives
+    parent, child = (models.load_exported(registry.resolve(v).folder) for v in versions)
+    old, new = (embed_task(b, Task.load(stream[0])) for b in (parent, child))
+    expected = diagnostics.spatial_disorder(old.img, old.txt, new.img, new.txt)
+    logged = registry.run_metrics(runs[1])
+    assert {k: logged[k] for k in expected} == pytest.approx(expected, abs=1e-6, nan_ok=True)

@@ -1,0 +1,104 @@
+"""Every performance benchmark in one run, each against its baseline, and the summary of their targets.
+
+    clipstream bench all [--quick] [--only NAME,...] [--out DIR]
+
+Runs the cost benchmarks one after another, each in its own process (each starts its own local Ray, DeepSpeed
+and serving app, and a fresh process leaves nothing behind for the next), with the sizes in `PLAN`: the full
+sizes fit in 25 minutes on 2 cores, `--quick` in 5 (small sizes: a smoke run whose ratios are noisy, written
+to benchmarks/results/quick/ so that it never overwrites the committed results). A progress bar shows the
+benchmark running; each one's own output goes to `DIR/logs/NAME.log`. Every script writes its table (and
+plot) and, through `report.targets`, `NAME.json` with its checks against the targets; the summary
+(`DIR/summary.md`) collects them with each benchmark's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from tqdm import tqdm
+
+from clipstream.benchmarks import report
+
+# name -> (results file stem, full-size options, --quick options); the order is the order they run in
+PLAN: dict[str, tuple[str, list[str], list[str]]] = {
+    "method-step": ("method-step", ["--steps", "10", "--rounds", "5", "--profile", "ewc,lwf,ctp"],
+                    ["--methods", "finetune,ewc,ctp", "--steps", "3", "--rounds", "2"]),
+    "train-throughput": ("train-throughput", [],
+                         ["--pairs", "256", "--epochs", "1", "--rounds", "1", "--zero-stages", "none"]),
+    "stream-growth": ("stream-growth", [], ["--tasks", "3", "--methods", "finetune,ewc"]),
+    "grpc-encode": ("grpc-encode", [], ["--clients", "1,16", "--rounds", "1", "--modalities", "text",
+                                        "--no-batching-baseline"]),
+    "gpu": ("gpu", [], []),
+}
+
+def parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes, under 5 minutes on 2 cores (a smoke run)")
+    p.add_argument("--only", default="", metavar="NAME,...", help=f"a subset of: {', '.join(PLAN)}")
+    p.add_argument("--out", default="", metavar="DIR",
+                   help=f"where the results go (default {report.RESULTS}, with --quick {report.RESULTS / 'quick'})")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
+    p = parser(prog)
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(PLAN)
+    unknown = [n for n in names if n not in PLAN]
+    if unknown:
+        p.error(f"--only: unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(PLAN)}")
+    out = Path(args.out or (report.RESULTS / "quick" if args.quick else report.RESULTS))
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    runs = []
+    with tqdm(total=len(names), unit="bench", desc="bench all") as bar:
+        for name in names:
+            stem, full, quick = PLAN[name]
+            bar.set_postfix_str(name)
+            runs.append(run(name, [*(quick if args.quick else full), "--out", str(out / f"{stem}.md")],
+                            out / "logs" / f"{name}.log") + (stem,))
+            bar.update()
+    text = summary(out, runs, args.quick)
+    print(text)
+    failed = [name for name, rc, _, _ in runs if rc != 0]
+    if failed:
+        sys.exit(f"bench all: {', '.join(failed)} failed; see {out / 'logs'}/NAME.log")
+    return text
+
+
+def run(name: str, options: list[str], log: Path) -> tuple[str, int, float]:
+    """One benchmark in its own process, its output to `log`; (name, exit code, wall seconds)."""
+    tic = time.perf_counter()
+    with open(log, "w") as f:
+        rc = subprocess.call([sys.executable, "-m", "clipstream.cli", "bench", name, *options], stdout=f,
+                             stderr=subprocess.STDOUT)
+    return name, rc, time.perf_counter() - tic
+
+
+def summary(out: Path, runs: list[tuple[str, int, float, str]], quick: bool) -> str:
+    """DIR/summary.md: every check of every benchmark against its target, with each benchmark's wall time."""
+    rows, total = [], sum(wall for _, _, wall, _ in runs)
+    for name, rc, wall, stem in runs:
+        checks = out / f"{stem}.json"
+        found = json.loads(checks.read_text())["checks"] if rc == 0 and checks.exists() else []
+        if rc != 0:
+            rows.append([name, f"{wall / 60:.1f}", "failed (exit %d): see logs/%s.log" % (rc, name), "", "", ""])
+        for i, c in enumerate(found or ([] if rc else [{"check": "(no target)", "value": "", "target": "", "ok": None}])):
+            verdict = {True: "met", False: "**not met**", None: ""}[c["ok"]]
+            rows.append([name if i == 0 else "", f"{wall / 60:.1f}" if i == 0 else "", c["check"], c["value"],
+                         c["target"], verdict + (f" ({c['why']})" if c.get("why") else "")])
+    return report.write(out / "summary.md", [
+        f"# clipstream bench all{' --quick' if quick else ''}: every cost against its baseline", "",
+        f"Device: {report.device()}. Reproduce: `clipstream bench all{' --quick' if quick else ''}`; "
+        f"each benchmark's table and plot is in its own file here, its output in logs/. Total {total / 60:.1f} min.",
+        "",
+        *report.table(["benchmark", "minutes", "check", "measured", "target", "verdict"], rows)])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""`clipstream bench all`: every cost benchmark in its own process, and the summary of their targets."""
+
+import json
+
+import pytest
+
+from clipstream.benchmarks import report, suite
+from clipstream.cli import main
+
+
+def test_the_summary_lists_every_check_with_its_benchmark_and_names_a_failed_one(tmp_path):
+    (tmp_path / "method-step.json").write_text(json.dumps({"checks": [
+        report.check("ewc step ×finetune", 1.05, at_most=1.10), report.check("ctp step ×finetune", 1.5, at_most=1.35,
+                                                                            why="see the profile")]}))
+    text = suite.summary(tmp_path, [("method-step", 0, 90.0, "method-step"), ("search", 1, 30.0, "search"),
+                                    ("gpu", 0, 6.0, "gpu")], quick=False)
+    assert text == (tmp_path / "summary.md").read_text()
+    assert "| method-step | 1.5 | ewc step ×finetune | 1.05 | ≤ 1.10 | met |" in text
+    assert "|  |  | ctp step ×finetune | 1.50 | ≤ 1.35 | **not met** (see the profile) |" in text
+    assert "| search | 0.5 | failed (exit 1): see logs/search.log |" in text
+    assert "| gpu | 0.1 | (no target) |" in text and "Total 2.1 min." in text
+
+
+def test_every_planned_benchmark_exists_and_quick_runs_are_kept_apart_from_the_results():
+    from clipstream.benchmarks import BENCHMARKS
+
+    assert set(suite.PLAN) <= set(BENCHMARKS) and "all" not in suite.PLAN
+
+
+def test_an_unknown_benchmark_in_only_is_one_line_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "all", "--only", "method-step,nope"])
+    assert done.value.code == 2 and "--only: unknown benchmark(s) nope" in capsys.readouterr().err

@@ -1,0 +1,60 @@
+"""`clipstream bench train-throughput`: the report and verdict from hand-made numbers, ZeRO's model-state count,
+and the peak-memory reading."""
+
+import json
+import os
+
+import pytest
+
+from clipstream.benchmarks import train_throughput as bench
+
+
+def runs(ours=(250.0, 260.0), zero2_peaks=(900.0, 880.0)):
+    return {"plain": [{"rate": 270.0, "step_ms": 110.0, "seconds": 25.0}, {"rate": 260.0, "step_ms": 114.0, "seconds": 27.0}],
+            "clipstream": [{"rate": r, "step_ms": 112.0, "seconds": 50.0} for r in ours],
+            "zero": {0: [{"rate": 300.0, "step_ms": 200.0, "peak_mib": [1000.0, 980.0], "seconds": 55.0},
+                         {"rate": 310.0, "step_ms": 204.0, "peak_mib": [1010.0, 990.0], "seconds": 57.0}],
+                     2: [{"rate": 270.0, "step_ms": 230.0, "peak_mib": list(zero2_peaks)},
+                         {"rate": 290.0, "step_ms": 226.0, "peak_mib": list(zero2_peaks)}]}}
+
+
+def test_the_report_has_the_plain_loop_the_job_and_each_zero_stage(tmp_path):
+    out = tmp_path / "tt.md"
+    text = bench.throughput_report(runs(), out, "clipstream bench train-throughput --out x", "CPU (x86_64, 2 cores)",
+                                   "clipstream-vit-tiny", 32, 2000, 3, 2, 5_440_000, seconds=240.0)
+    assert text == out.read_text() and "Reproduce: `clipstream bench train-throughput --out x`" in text
+    assert "Wall time 4.0 min." in text
+    # medians: plain 265, the job 255 (0.96); waiting = 1 - step / (batch / rate): 1 - 112 / 120.8
+    assert "| plain PyTorch (DataLoader + AdamW + ClipLoss, 1 process) | 265.0 | 270, 260 | 1.00 | 112.0 | 7% | 26 |" in text
+    assert "| clipstream (Ray Data → Ray Train, 1 DeepSpeed worker) | 255.0 | 250, 260 | 0.96 | 112.0 | 11% | 50 |" in text
+    assert "## ZeRO stages on 2 workers" in text and "5.44 M parameters" in text
+    assert "| 0 | 305.0 | 300, 310 | 1.00 | 202.0 | 1005 / 985 | +0 | 83.0 | 56 |" in text  # 16 B/param
+    assert "| 2 | 280.0 | 270, 290 | 0.92 | 228.0 | 900 / 880 | -105 | 62.3 | - |" in text  # 4 + 16/2 B/param
+    assert "| clipstream ÷ plain PyTorch samples/s, 1 worker | 0.96 | ≥ 0.95 | met |" in text
+    assert json.loads((tmp_path / "tt.json").read_text())["checks"][0]["ok"]
+    assert text.rstrip().endswith("Verdict: clipstream at 1 worker is 0.96× the plain loop (target ≥ 0.95: met). "
+                                  "ZeRO 2 on 2 workers: 0.92× ZeRO 0's samples/s, peak 900 MiB vs 1005 MiB.")
+
+
+def test_the_verdict_fails_below_the_target_and_a_run_without_zero_has_no_zero_table(tmp_path):
+    slow = runs(ours=(240.0, 245.0))
+    verdict = bench.verdict(slow)
+    assert not verdict["pass"] and verdict["ratio"] == pytest.approx(242.5 / 265)
+    assert verdict["zero"][2]["vs_zero0"] == pytest.approx(280 / 305)
+    del slow["zero"]
+    text = bench.throughput_report(slow, tmp_path / "tt.md", "c", "d", "a", 32, 2000, 3, 2, 1000)
+    assert "ZeRO" not in text and "(target ≥ 0.95: NOT met)." in text and "| 0.92 | ≥ 0.95 | **not met** |" in text
+
+
+def test_zero_counts_model_states_per_worker():
+    assert bench.model_state_mib(1 << 20, 0, 2) == 16.0
+    assert bench.model_state_mib(1 << 20, 2, 2) == 12.0  # whole fp32 params + (master, grads, moments) / 2
+    assert bench.model_state_mib(1 << 20, 2, 4) == 8.0
+    assert bench.model_state_mib(1 << 20, 3, 4) == 4.0
+
+
+def test_peak_memory_is_read_from_proc_and_only_for_matching_descendants():
+    assert bench.vm_hwm(os.getpid()) > 10 << 20 and bench.vm_hwm(2**22 + 12345) == 0
+    with bench.PeakMemory(match="no-such-process-title", every_s=0.01) as memory:
+        pass
+    assert memory.per_worker_mib() == []
