@@ -11,6 +11,7 @@ BENCHMARKS = {
     "method-step": "method_step",  # each method's training step against finetune's, same batches
     "train-throughput": "train_throughput",  # the task job against a plain PyTorch open_clip loop
     "grpc-encode": "grpc_encode",  # gRPC encoding through Ray Serve against the in-process model
+    "search": "search",  # vector search and the Search RPC at 10k-1M vectors against exact numpy search
     "reliability": "reliability",  # serving under load and faults; every fault and bad input with its outcome
     "stream-growth": "stream_growth",  # wall, step, memory and evaluation time per task as the stream grows
     "gpu": "gpu",  # bf16 DeepSpeed training throughput, MFU and encoder images/s on a GPU (skipped without one)

@@ -47,14 +47,14 @@ TARGET_CLIENTS = (16, 64)  # ... at these concurrencies
 
 # What profiling the replica found (py-spy, 64 clients sending images, 2 cores), for the results file.
 PROFILE_NOTE = (
-    "Profile (py-spy on the Encoder replica, 64 clients × 8 images, 2 cores): with `@serve.batch` the model ran on the "
-    "replica's event loop, so the replica stopped taking requests while it computed and `@serve.batch` formed the next "
-    "batch from what its 5 ms wait caught: 2-4 requests a batch, and (on a machine busy with other work, load average "
-    "~30) ~36 ms of CPU per image against ~8 in-process. The Encoder's own batcher (services/encoder.py `_Batcher`) now "
-    "runs the model on a thread and fills each call with what queued meanwhile: ~24 of 32 requests a batch at 64 "
-    "clients and the in-process CPU per item (the CPU ms/item column). On CPU a request of 8 items is already a "
-    "batch, so batching buys little in throughput here (the max_batch_size=1 column); it matters where a model call "
-    "has a high fixed cost (a GPU).")
+    "Profile (py-spy on the Encoder replica, 64 clients × 8 images, 2 cores): with the model run inside the "
+    "`@serve.batch` method on the replica's event loop, the replica stopped taking requests while it computed, and on a "
+    "machine busy with other work (load average ~30) it spent ~36 ms of CPU per image against ~8 in-process. The "
+    "model now runs on a thread of its own (services/encoder.py: `run_in_executor` inside the `@serve.batch` method), "
+    "so the loop keeps receiving, validating and queueing requests while it computes: the CPU per item is the "
+    "in-process one or lower (the CPU ms/item column). On CPU a request of 8 items is already a batch, so batching "
+    "buys little in throughput here (the max_batch_size=1 column); it matters where a model call has a high fixed "
+    "cost (a GPU).")
 
 
 def register(settings, arch: str) -> str:

@@ -43,7 +43,14 @@ from clipstream.training.methods.config import method_presets, resolve
 
 # the step budget of each method, ×finetune's step on the same batches (the targets)
 TARGETS = {"ewc": 1.10, "mas": 1.10, "lwf": 1.25, "modx": 1.25, "ctp": 1.35, "cclip": 1.30, "teir": 1.05}
-WHY: dict[str, str] = {}  # the profile-backed reason a target is out of reach here, shown with the check
+# the profile-backed reason a target is out of reach here, shown with the check (see the phase table: --profile)
+WHY: dict[str, str] = {
+    "ctp": "two extra no-grad forwards (teacher and momentum encoders) on the live batch, each as costly as the live "
+           "forward (the phase table: ~50 ms each, +8 ms momentum update) = ~0.55x finetune's step; they run "
+           "different weights on the same input, so nothing is shared (vmap over the stacked weights was 2x slower on "
+           "CPU: no batching rule for SDPA; inference_mode saved 4% of one forward); the paper's 1.18x is on GPU in "
+           "bf16, which this CPU (avx2) lacks",
+}
 
 
 def batches(task: Task, bundle, size: int, count: int) -> list[dict]:

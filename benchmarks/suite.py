@@ -34,6 +34,7 @@ PLAN: dict[str, tuple[str, list[str], list[str]]] = {
     "stream-growth": ("stream-growth", [], ["--tasks", "3", "--methods", "finetune,ewc"]),
     "grpc-encode": ("grpc-encode", [], ["--clients", "1,16", "--rounds", "1", "--modalities", "text",
                                         "--no-batching-baseline"]),
+    "search": ("search", [], ["--sizes", "10000", "--uniform-size", "0", "--rpc-size", "0", "--queries", "100"]),
     "gpu": ("gpu", [], []),
 }
 

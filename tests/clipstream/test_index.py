@@ -362,13 +362,13 @@ def test_failed_reindex_leaves_serving_generation(index, monkeypatch):
 
     write, calls = type(index)._write, []
 
-    def crash_on_third(self, *args):
+    def crash_on_second(self, *args):  # Edge writes a reindex as one segment per modality: the text one fails
         calls.append(args[1:3])
-        if len(calls) == 3:
+        if len(calls) == 2:
             raise OSError("disk full")
         return write(self, *args)
 
-    monkeypatch.setattr(type(index), "_write", crash_on_third)
+    monkeypatch.setattr(type(index), "_write", crash_on_second)
     with pytest.raises(OSError, match="disk full"):
         index.reindex([tv("a", "5"), tv("b", "5")])
     monkeypatch.undo()
@@ -525,3 +525,114 @@ def test_server_payload_indexes_before_upload(monkeypatch):
         assert all(entry[0] == "create_payload_index" for entry in calls[:first_upsert]) and first_upsert == 4
     schema = client.get_collection("cs-shared-g2-image").payload_schema
     assert schema == {} or set(schema) == set(PAYLOAD_INDEXES)  # local mode keeps none; a server keeps all four
+
+
+def clustered(task, version, n, dim=DIM, task_index=0):
+    """One task of a gallery as an encoder makes it: the task's own direction plus noise, captions near images."""
+    rng = np.random.default_rng(zlib.crc32(f"{task}/{version}/{n}".encode()))
+    direction = rng.standard_normal(dim)
+    image = direction + 0.6 * np.linalg.norm(direction) * unit(rng.standard_normal((n, dim)))
+    return TaskVectors(task=task, task_index=task_index, model_version=version, item_ids=[f"{task}-{i}" for i in range(n)],
+                       image=image, text=image + 0.2 * rng.standard_normal((n, dim)), captions=[f"{task} {i}" for i in range(n)])
+
+
+def test_task_unknown_over_many_tasks_equals_exact_search(index):
+    tasks = [tv(f"t{i:02d}", "1", n=12 + i, task_index=i) for i in range(12)]
+    for t in tasks:
+        index.append(t)
+    queries = np.random.default_rng(5).standard_normal((8, DIM))
+    for m in MODALITIES:
+        for q, hits in zip(queries, index.search_batch(queries, m, k=10)):
+            ids, scores = brute(gallery_of(tasks, m), q, 10)
+            assert [h.item_id for h in hits] == ids  # small segments are scanned exactly: recall 1.0
+            np.testing.assert_allclose([h.score for h in hits], scores, atol=1e-5)
+
+
+def test_edge_large_segments_get_hnsw_and_keep_recall(tmp_path, monkeypatch):
+    """Segments above HNSW_FROM_KB are searched through an HNSW graph over int8 vectors, rescored in float32:
+    the scores are exact cosines and, on a gallery shaped like an encoder's, recall@10 of exact search >= 0.99."""
+    from clipstream import index as module
+
+    monkeypatch.setattr(module, "HNSW_FROM_KB", 8)  # 8 KB of 16-d float32 vectors: segments over 128 points
+    index = EdgeIndex(tmp_path / "edge")
+    tasks = [clustered(f"d{i}", "1", 600, task_index=i) for i in range(4)]
+    for t in tasks:
+        index.append(t)
+    info = index._open(index._read()["segments"]["d0"]["image"]).info()
+    assert info.indexed_vectors_count == 600  # the graph was built (below the threshold it stays 0)
+    rng = np.random.default_rng(6)
+    picks = [(int(t), int(rng.integers(0, 600))) for t in rng.integers(0, 4, 60)]
+    queries = np.stack([tasks[t].text[r] for t, r in picks])
+    recalls = []
+    for (t, _), q, unknown, known in zip(picks, queries, index.search_batch(queries, "image", k=10),
+                                         index.search_batch(queries, "image", task=f"d{0}", k=10)):
+        ids, scores = brute(gallery_of(tasks, "image"), q, 10)
+        recalls.append(len({h.item_id for h in unknown} & set(ids)) / 10)
+        exact = {h.item_id: h.score for h in unknown}
+        for i, s in zip(ids, scores):
+            if i in exact:
+                assert exact[i] == pytest.approx(s, abs=1e-5)  # rescored: the stored float32 cosine
+        assert {h.task for h in known} == {"d0"}
+    assert np.mean(recalls) >= 0.99
+
+
+def test_append_reads_no_other_task(make, monkeypatch):
+    """An append checks its item ids against the other tasks by id lookups, never by reading their points:
+    its cost follows the new task's size, not the index's."""
+    index = make()
+    for i in range(3):
+        index.append(tv(f"t{i}", "1", n=30 + 10 * i, task_index=i))
+    reads = []
+    monkeypatch.setattr(type(index), "_scroll", lambda *a, **k: reads.append(a[2:]) or iter(()))
+    monkeypatch.setattr(type(index), "points", lambda self, *a: reads.append(a) or {})
+    state = index.append(tv("t3", "1", n=25, task_index=3))
+    assert set(state["tasks"]) == {"t0", "t1", "t2", "t3"} and reads == []
+    with pytest.raises(VectorIndexError, match=r"item ids \['t1-017'\] of task 't4' are already used by task 't1'"):
+        index.append(TaskVectors("t4", 4, "1", ["new-0", "t1-017"], np.ones((2, DIM)), np.ones((2, DIM)), ["x", "y"]))
+    assert reads == [] and set(index.state()["tasks"]) == {"t0", "t1", "t2", "t3"}
+
+
+def test_duplicate_ids_refused_across_tasks_but_not_across_versions_or_reruns(make):
+    index = make()
+    index.reindex([tv("a", "1", n=40), tv("b", "1", n=40)])
+    before = index.state()
+    for clash in (["a-039"], ["zz", "b-000", "a-001"]):
+        with pytest.raises(VectorIndexError, match="already used by task"):
+            index.append(TaskVectors("c", 2, "1", clash, np.ones((len(clash), DIM)), np.ones((len(clash), DIM)),
+                                     ["x"] * len(clash)))
+    assert index.state() == before
+    index.append(TaskVectors("c", 2, "2", ["a-000"], np.ones((1, DIM)), np.ones((1, DIM)), ["x"]))  # another version
+    assert index.append(tv("a", "1", n=40))["tasks"]["a"]["counts"] == {"image": 40, "text": 40}  # a rerun of a task
+    assert len(index.search(np.ones(DIM), "image", k=1000)) == 81  # and no point twice
+
+
+def test_a_reindexed_generation_serves_each_task_alone_and_after_a_task_is_appended_again(make):
+    """Edge writes a reindexed generation as one segment per modality (one graph for task-unknown): task-known
+    still sees only its task, task-unknown equals exact search, and a task appended again afterwards is served
+    from its new points only (the merged segment keeps the old copy, filtered out)."""
+    index = make()
+    tasks = [tv(f"r{i}", "1", n=15 + i, task_index=i) for i in range(4)]
+    index.reindex(tasks)
+    if isinstance(index, EdgeIndex):
+        refs = index._read()["segments"]
+        assert len({refs[t.task]["image"] for t in tasks}) == 1 and len({refs[t.task]["text"] for t in tasks}) == 1
+    q = np.random.default_rng(9).standard_normal(DIM)
+    same_as_exact(index.search(q, "text", k=30), brute(gallery_of(tasks, "text"), q, 30))
+    for t in tasks:
+        hits = index.search(q, "image", task=t.task, k=100)
+        assert {h.task for h in hits} == {t.task} and len(hits) == len(t.item_ids)
+    again = tv("r2", "1", n=9, task_index=2)  # the same task, fewer items: a rerun of its indexing
+    index.append(again)
+    now = [tasks[0], tasks[1], again, tasks[3]]
+    assert set(index.points("r2", "image")) == set(again.item_ids)
+    hits = index.search(q, "image", k=1000)
+    assert len(hits) == sum(len(t.item_ids) for t in now)
+    same_as_exact(hits[:20], brute(gallery_of(now, "image"), q, 20))
+    with pytest.raises(VectorIndexError, match="already used by task 'r1'"):
+        index.append(TaskVectors("x", 9, "1", ["r1-003"], np.ones((1, DIM)), np.ones((1, DIM)), ["x"]))
+
+
+def same_as_exact(hits, exact):
+    ids, scores = exact
+    assert [h.item_id for h in hits] == ids
+    np.testing.assert_allclose([h.score for h in hits], scores, atol=1e-5)

@@ -1,0 +1,68 @@
+"""`clipstream bench search`: its galleries, a tiny measurement against exact search, and the report."""
+
+import json
+
+import numpy as np
+import pytest
+
+from clipstream.benchmarks import search as bench
+
+
+def test_galleries_are_unit_vectors_spread_over_the_tasks():
+    gallery = bench.synthetic_gallery(1003, 4, 16, seed=3)
+    assert [len(tv.item_ids) for tv in gallery] == [251, 251, 251, 250]
+    assert len({i for tv in gallery for i in tv.item_ids}) == 1003
+    for tv in gallery:
+        for x in (tv.image, tv.text):
+            assert x.dtype == np.float32 and x.shape == (len(tv.item_ids), 16)
+            np.testing.assert_allclose(np.linalg.norm(x, axis=1), 1.0, atol=1e-5)
+    # clustered (in the model's 128 dimensions): a caption is nearest its own image; tasks lie apart
+    gallery = bench.synthetic_gallery(1003, 4, 128, seed=3)
+    t, means = gallery[0], [tv.image.mean(0) for tv in gallery]
+    assert np.mean(np.argmax(t.text @ t.image.T, axis=1) == np.arange(len(t.item_ids))) > 0.9
+    assert means[0] @ means[0] > 0.2 and abs(means[0] @ means[1]) < 0.05
+    uniform = bench.synthetic_gallery(100, 2, 16, kind="uniform")
+    assert abs(float(np.mean(uniform[0].image @ uniform[1].image.T))) < 0.05
+    with pytest.raises(ValueError, match="kind"):
+        bench.synthetic_gallery(10, 1, 4, kind="gaussian")
+
+
+@pytest.mark.parametrize("layout", ["reindex", "append"])
+def test_a_tiny_run_matches_exact_search(tmp_path, layout):
+    result = bench.run_size(1200, 3, 32, 15, "clustered", tmp_path / "idx", layout=layout)
+    assert result["n"] == 1200 and result["tasks"] == 3 and result["build_s"] > 0 and result["layout"] == layout
+    assert len(result["appends_s"]) == (3 if layout == "append" else 0)
+    for mode in bench.MODES:
+        cell = result[mode]
+        assert cell["recall"] == cell["min_recall"] == 1.0  # a small index scans every segment: exact
+        assert 0 < cell["index_50"] <= cell["index_99"] and 0 < cell["exact_50"] <= cell["exact_99"]
+
+
+def fake(n, recall=1.0, p99=1.0, kind="clustered"):
+    cell = {"recall": recall, "min_recall": recall, "index_50": p99 / 2, "index_99": p99, "exact_50": 2.0, "exact_99": 3.0}
+    return {"n": n, "kind": kind, "tasks": 10, "build_s": 12.0, "appends_s": [1.2] * 10, "known": dict(cell),
+            "unknown": dict(cell)}
+
+
+def test_the_report_checks_recall_everywhere_and_p99_at_100k_and_1m(tmp_path):
+    results = [fake(10_000, p99=50.0), fake(100_000, p99=4.0), fake(1_000_000, recall=0.985, p99=25.0),
+               fake(100_000, recall=0.5, kind="uniform")]
+    results[1]["unknown"]["index_99"] = 6.0
+    results.append({**fake(100_000, p99=9.0), "layout": "append"})
+    out = tmp_path / "search.md"
+    text = bench.search_report(results, {"n": 100_000, "known": {"p50": 7.0, "p99": 9.0},
+                                         "unknown": {"p50": 8.0, "p99": 11.0}}, out, "clipstream bench search", "CPU",
+                               seconds=300.0, dim=128)
+    assert "Reproduce: `clipstream bench search`" in text and "Wall time 5.0 min" in text and "128 dimensions" in text
+    assert "| 1M | clustered | reindex | 10 | unknown | 0.9850 |" in text
+    assert "| 100k | uniform | reindex | 10 | known | 0.5000 |" in text and "| 100k | clustered | append | 10 | known |" in text
+    assert "## Search RPC at 100k" in text and "| unknown | 8.0 | 11.0 |" in text
+    assert out.with_suffix(".png").exists() and "![p50 and p99 search latency" in text
+    checks = {c["check"]: c for c in json.loads(out.with_suffix(".json").read_text())["checks"]}
+    # recall at 3 sizes × 2 modes, p99 at 2 sizes × 2 modes, both again for the appended 100k; uniform: reported only
+    assert len(checks) == 14
+    assert not checks["vector search p99 ms at 100k, task-known, appended"]["ok"]
+    assert not checks["vector search p99 ms at 100k, task-unknown"]["ok"] and checks["vector search p99 ms at 100k, task-known"]["ok"]
+    assert not checks["recall@10 at 1M, task-known"]["ok"] and checks["recall@10 at 10k, task-known"]["target"] == "≥ 0.9900"
+    assert "vector search p99 ms at 10k, task-known" not in checks  # no latency target at 10k
+    assert "| vector search p99 ms at 1M, task-known | 25.00 | ≤ 20.00 | **not met** |" in text
