@@ -1,13 +1,14 @@
 """Vector search and the Search RPC at 10k, 100k and 1M stored vectors on the embedded Qdrant Edge index,
 against exact numpy search on the same vectors.
 
-    clipstream bench search [--sizes 10000,100000,1000000] [--tasks 10] [--queries 300]
-                            [--uniform-size 100000] [--rpc-size 100000] [--rpc-queries 200]
+    clipstream bench search [--sizes 10000,100000,1000000] [--append-sizes 10000,100000] [--tasks 10]
+                            [--queries 300] [--uniform-size 100000] [--rpc-size 100000] [--rpc-queries 200]
                             [--arch clipstream-vit-small]
 
 For each size N, a gallery of N image vectors and their N caption vectors, in the embedding dimension of
-`--arch`, is appended task by task (`--tasks` tasks of N/tasks pairs: the no-reindex policy) to an EdgeIndex;
-the build time is recorded. The vectors are clustered as a CLIP gallery is: each task around a direction of
+`--arch`, is written to an EdgeIndex by one reindex (one segment per modality for every task), and for the
+sizes in `--append-sizes` once more task by task (`--tasks` tasks of N/tasks pairs: the no-reindex policy, one
+segment per task and modality); the build time is recorded. The vectors are clustered as a CLIP gallery is: each task around a direction of
 its own, each class (about 50 pairs) around a direction near its task's, each image near its class, each
 caption near its image plus a modality gap that every caption shares. Queries are the captions of random
 pairs (text → image, k=10), searched task-known (within the pair's task) and task-unknown (one ranking over
