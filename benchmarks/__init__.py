@@ -12,6 +12,7 @@ BENCHMARKS = {
     "train-throughput": "train_throughput",  # the task job against a plain PyTorch open_clip loop
     "grpc-encode": "grpc_encode",  # gRPC encoding through Ray Serve against the in-process model
     "search": "search",  # vector search and the Search RPC at 10k-1M vectors against exact numpy search
+    "indexing": "indexing",  # clipstream index against an in-process encode loop; reindex/append against index size
     "reliability": "reliability",  # serving under load and faults; every fault and bad input with its outcome
     "stream-growth": "stream_growth",  # wall, step, memory and evaluation time per task as the stream grows
     "gpu": "gpu",  # bf16 DeepSpeed training throughput, MFU and encoder images/s on a GPU (skipped without one)

@@ -195,10 +195,7 @@ def plot_methods(results: dict[str, dict], path: Path) -> Path:
     ax.set_title("Average accuracy after each task")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=100)
-    return path
+    return report.save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -355,10 +355,7 @@ def plot(summary: dict, path: Path) -> Path:
     p99_ax.set_yscale("log")
     rate_ax.legend(fontsize=7)
     fig.suptitle("Encoding: in-process vs gRPC (dynamic batching) vs gRPC max_batch_size=1")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=100)
-    return path
+    return report.save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,14 @@ from clipstream.training.methods.config import method_presets, resolve
 # the step budget of each method, ×finetune's step on the same batches (the issue's targets)
 TARGETS = {"ewc": 1.10, "mas": 1.10, "lwf": 1.25, "modx": 1.25, "ctp": 1.35, "cclip": 1.30, "teir": 1.05}
 # the profile-backed reason a target is out of reach here, shown with the check (see the phase table: --profile)
+TEACHER_WHY = ("one extra no-grad forward of the frozen previous model on every live batch (the phase table's teacher "
+               "forward; a forward without autograd is ~1/4 of a training step here: forward, backward at ~2x, "
+               "optimizer); {name}'s loss on the features is the rest of its method terms. inference_mode saved 4% "
+               "of that forward (see ctp). Not tried: caching the teacher's features per row across epochs, valid "
+               "only when a row's crop repeats (seeded augmentation)")
 WHY: dict[str, str] = {
+    "lwf": TEACHER_WHY.format(name="LwF"),
+    "modx": TEACHER_WHY.format(name="Mod-X"),
     "ctp": "two extra no-grad forwards (teacher and momentum encoders) on the live batch, each as costly as the live "
            "forward (the phase table: ~50 ms each, +8 ms momentum update) = ~0.55x finetune's step; they run "
            "different weights on the same input, so nothing is shared (vmap over the stacked weights was 2x slower on "

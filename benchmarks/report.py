@@ -38,6 +38,14 @@ def write(out: str | Path, lines: Sequence[str]) -> str:
     return text
 
 
+def save_figure(fig, path: str | Path) -> Path:
+    """A results plot (a bare matplotlib Figure: no pyplot state, works headless) saved as PNG; its path."""
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=100)
+    return Path(path)
+
+
 def check(name: str, value: float, *, at_least: float | None = None, at_most: float | None = None,
           fmt: str = "{:.2f}", why: str = "") -> dict:
     """One measured figure against its target (a lower or an upper bound); `why` explains a miss or a caveat."""

@@ -5,13 +5,14 @@ against exact numpy search on the same vectors.
                             [--queries 300] [--uniform-size 100000] [--rpc-size 100000] [--rpc-queries 200]
                             [--arch clipstream-vit-small]
 
-For each size N, a gallery of N image vectors and their N caption vectors, in the embedding dimension of
+For each size N, a gallery of N stored vectors, N/2 images and their N/2 captions, in the embedding dimension of
 `--arch`, is written to an EdgeIndex by one reindex (one segment per modality for every task), and for the
-sizes in `--append-sizes` once more task by task (`--tasks` tasks of N/tasks pairs: the no-reindex policy, one
-segment per task and modality); the build time is recorded. The vectors are clustered as a CLIP gallery is: each task around a direction of
+sizes in `--append-sizes` once more task by task (`--tasks` tasks of N/2/tasks pairs: the no-reindex policy, one
+segment per task and modality), and measured again after `compact` merged those segments; the build and compaction
+times are recorded. The vectors are clustered as a CLIP gallery is: each task around a direction of
 its own, each class (about 50 pairs) around a direction near its task's, each image near its class, each
 caption near its image plus a modality gap that every caption shares. Queries are the captions of random
-pairs (text → image, k=10), searched task-known (within the pair's task) and task-unknown (one ranking over
+pairs (text → image, k=10: a query searches the N/2 images), searched task-known (within the pair's task) and task-unknown (one ranking over
 every task), one query at a time, by the index and by exact numpy search (a float32 matrix-vector product and
 a top-10 selection over the same unit vectors, on one BLAS thread); both are timed per query on the same queries. recall@10 = the
 share of the exact top 10 that the index returns. At `--uniform-size` (when it is one of the sizes) the same
@@ -48,9 +49,9 @@ TARGET_P99_MS = {100_000: 5.0, 1_000_000: 20.0}  # vector-search p99 at these si
 CLASS_SIZE = 50  # pairs per class of the clustered galleries
 MODES = ("known", "unknown")
 # why an appended gallery's task-unknown search is slower than a reindexed one's (shown with its check)
-APPENDED_WHY = ("one HNSW graph per appended task: a task-unknown query searches each (~0.5 ms apiece here) and merges "
-                "their top-k, so its cost grows with the number of tasks; a reindex writes one graph per modality "
-                "(the reindex rows). Open: compact appended segments into one in the background")
+APPENDED_WHY = ("one HNSW graph per appended task: a task-unknown query searches each and merges their top-k, so its "
+                "cost grows with the number of tasks; `compact` merges them into one graph per modality (the "
+                "compacted rows), which the indexing job does once appends leave more than index_compact_segments")
 
 
 def embed_dim(arch: str) -> int:
@@ -157,23 +158,32 @@ def summary(cell: dict) -> dict:
 
 
 def run_size(n: int, tasks: int, dim: int, count: int, kind: str, root: Path, name: str = "bench",
-             version: str = "1", layout: str = "reindex") -> dict:
-    """Build a gallery of n pairs under root, measure it, drop the vectors (the index stays on disk):
-    {"n", "kind", "layout", "tasks", "build_s", "appends_s", mode: summary}."""
-    gallery = synthetic_gallery(n, tasks, dim, kind, version=version)
+             version: str = "1", layout: str = "reindex") -> list[dict]:
+    """Build a gallery of n stored vectors (n/2 pairs) under root, measure it, drop the vectors (the index stays on disk): one result
+    {"n", "kind", "layout", "tasks", "build_s", "appends_s", "load", mode: summary}; for layout "append" a second
+    one, measured once more after `compact` merged the appended segments (layout "compacted", its "build_s" the
+    compaction's seconds)."""
+    gallery = synthetic_gallery(n // 2, tasks, dim, kind, version=version)
     index, seconds, appends = build(root, gallery, name, layout)
-    load = os.getloadavg()[0]
+    queries, results = queries_for(gallery, count), []
     try:
-        measured = measure(index, gallery, queries_for(gallery, count))
+        for step in [layout] + (["compacted"] if layout == "append" else []):
+            if step == "compacted":
+                tic = time.perf_counter()
+                index.compact()
+                seconds, appends = time.perf_counter() - tic, []
+            load = os.getloadavg()[0]
+            measured = measure(index, gallery, queries)
+            load = (load + os.getloadavg()[0]) / 2  # the machine's 1-minute load average while measuring
+            print(f"[{kind} {n} {step}] {'compaction' if step == 'compacted' else 'build'} {seconds:.1f} s; " + "; ".join(
+                f"{m}: recall {np.mean(c['recall']):.4f}, index p50/p99 {np.percentile(c['index_ms'], 50):.2f}/"
+                f"{np.percentile(c['index_ms'], 99):.2f} ms, exact p50/p99 {np.percentile(c['exact_ms'], 50):.2f}/"
+                f"{np.percentile(c['exact_ms'], 99):.2f} ms" for m, c in measured.items()), flush=True)
+            results.append({"n": n, "kind": kind, "layout": step, "tasks": tasks, "build_s": seconds,
+                            "appends_s": appends, "load": load, **{m: summary(c) for m, c in measured.items()}})
     finally:
         index.close()
-    load = (load + os.getloadavg()[0]) / 2  # the machine's 1-minute load average while measuring
-    print(f"[{kind} {n} {layout}] build {seconds:.1f} s; " + "; ".join(
-        f"{m}: recall {np.mean(c['recall']):.4f}, index p50/p99 {np.percentile(c['index_ms'], 50):.2f}/"
-        f"{np.percentile(c['index_ms'], 99):.2f} ms, exact p50/p99 {np.percentile(c['exact_ms'], 50):.2f}/"
-        f"{np.percentile(c['exact_ms'], 99):.2f} ms" for m, c in measured.items()), flush=True)
-    return {"n": n, "kind": kind, "layout": layout, "tasks": tasks, "build_s": seconds, "appends_s": appends, "load": load,
-            **{m: summary(c) for m, c in measured.items()}}
+    return results
 
 
 def serving(tmp: Path, arch: str):
@@ -241,7 +251,7 @@ def checks(results: list[dict]) -> list[dict]:
 
 
 def _built(r: dict) -> str:
-    return ", appended" if r.get("layout") == "append" else ""
+    return {"append": ", appended", "compacted": ", appended then compacted"}.get(r.get("layout"), "")
 
 
 def _size(n: int) -> str:
@@ -251,24 +261,25 @@ def _size(n: int) -> str:
 def search_report(results: list[dict], rpc_result: dict | None, out: Path, command: str, device: str,
                   seconds: float | None = None, dim: int | None = None) -> str:
     """The tables to `out` and latency against size to `out`.png; returns the markdown."""
-    from clipstream.index import HNSW_EF, HNSW_EF_CONSTRUCT, HNSW_FROM_KB, HNSW_M, OVERSAMPLING
+    from clipstream.index import HNSW_EF, HNSW_EF_CONSTRUCT, HNSW_EF_POINTS, HNSW_FROM_KB, HNSW_M, OVERSAMPLING
 
     out = Path(out)
     lines = ["# Vector search on the embedded Qdrant Edge index vs exact numpy search", "",
              f"Reproduce: `{command}`", "",
              f"Device: {device}." + (f" Wall time {seconds / 60:.1f} min." if seconds else ""), "",
-             f"N = image vectors searched (each with its caption vector, also stored: 2N points), in {dim or '?'} "
-             f"dimensions, spread evenly over the tasks; queries are captions (text → image), k = {K}, one at a time. "
+             f"N = stored vectors: N/2 images and their N/2 captions, in {dim or '?'} dimensions, spread evenly over "
+             f"the tasks; queries are captions (text → image: each searches the N/2 images), k = {K}, one at a time. "
              "Known = ranked within the query's task, unknown = one ranking over every task. p50/p99 in ms per "
              "query; exact = numpy float32 matrix-vector product + top-k over the same unit vectors, measured after the "
              "index's queries (not interleaved: each would evict the other's data from the caches). Layout reindex = "
              "the gallery written by one reindex: one segment per modality holds every task (task-known filters it "
              "by the payload-indexed task); append = every task appended in turn (no-reindex): one segment per task "
-             "and modality, and task-unknown queries each and merges their top-k. Build = that write, both "
-             "modalities. Load = the machine's 1-minute load average while measuring (other work shares the cores: "
+             "and modality, and task-unknown queries each and merges their top-k; compacted = that appended index after "
+             "`compact` merged its segments into one per modality. Build = that write, both modalities (for "
+             "compacted: the compaction). Load = the machine's 1-minute load average while measuring (other work shares the cores: "
              f"a p99 is only as good as the machine is quiet). A segment holding more than {HNSW_FROM_KB} KB of "
              f"vectors has an HNSW graph (m={HNSW_M}, ef_construct={HNSW_EF_CONSTRUCT}; searched with "
-             f"hnsw_ef={HNSW_EF}) over int8-quantised vectors, {OVERSAMPLING:g}× oversampled and rescored in float32 "
+             f"hnsw_ef={HNSW_EF}, and {HNSW_EF} × points / {HNSW_EF_POINTS} past {HNSW_EF_POINTS} points) over int8-quantised vectors, {OVERSAMPLING:g}× oversampled and rescored in float32 "
              "(scores are exact cosines); smaller segments are scanned exactly. "
              f"Targets: recall@{K} ≥ {TARGET_RECALL}, p99 ≤ " +
              " and ".join(f"{t:g} ms at {_size(n)}" for n, t in TARGET_P99_MS.items()) + ".", ""]
@@ -312,20 +323,17 @@ def plot(results: list[dict], path: Path) -> Path:
                     fontsize=8)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("stored image vectors searched (N)")
+    ax.set_xlabel("stored vectors (N: N/2 images searched by a text query)")
     ax.set_ylabel("latency per query (ms)")
     ax.set_title(f"Vector search, k={K}: embedded Qdrant Edge vs exact numpy")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=100)
-    return path
+    return report.save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="10000,100000,1000000", help="comma-separated N (image vectors searched)")
+    p.add_argument("--sizes", default="10000,100000,1000000", help="comma-separated N (stored vectors: N/2 pairs)")
     p.add_argument("--tasks", type=int, default=10, help="tasks each gallery is spread over")
     p.add_argument("--queries", type=int, default=300, help="queries per size and mode")
     p.add_argument("--append-sizes", default="10000,100000",
@@ -351,15 +359,15 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
         for n in sizes:  # the RPC's size is indexed where its app reads, under the served version
             where = (served[0].qdrant_path, served[0].stream, served[1]) if served and n == args.rpc_size else \
                 (Path(tmp) / f"clustered-{n}", "bench", "1")
-            results.append(run_size(n, args.tasks, dim, args.queries, "clustered", *where))
+            results += run_size(n, args.tasks, dim, args.queries, "clustered", *where)
             gc.collect()
         for n in [n for n in sizes if str(n) in args.append_sizes.split(",")]:
-            results.append(run_size(n, args.tasks, dim, args.queries, "clustered", Path(tmp) / f"append-{n}",
-                                    layout="append"))
+            results += run_size(n, args.tasks, dim, args.queries, "clustered", Path(tmp) / f"append-{n}",
+                                layout="append")
             gc.collect()
         if args.uniform_size in sizes:
-            results.append(run_size(args.uniform_size, args.tasks, dim, args.queries, "uniform",
-                                    Path(tmp) / f"uniform-{args.uniform_size}"))
+            results += run_size(args.uniform_size, args.tasks, dim, args.queries, "uniform",
+                                Path(tmp) / f"uniform-{args.uniform_size}")
             gc.collect()
         if served:
             rpc_result = rpc(*served, args.rpc_size, args.tasks, args.rpc_queries)

@@ -478,10 +478,7 @@ def plot_growth(results: dict[str, dict], path: Path) -> Path:
         ax.set_ylim(bottom=0)
     axes[0][0].legend(fontsize=8)
     fig.suptitle("Cost per task as the stream grows")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=100)
-    return path
+    return report.save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,18 @@ def _index(args) -> None:
               f"{entry['counts']['text']} texts")
 
 
+def _compact(args) -> None:
+    from clipstream.index import open_index
+
+    with open_index(Settings()) as index:
+        index.progress = True
+        before = index.segments()
+        state = index.compact()
+        after = index.segments()
+    print(f"index {state['name']!r} generation {state['generation']}: {len(state['tasks'])} tasks in "
+          f"{after} segment{'s' * (after != 1)} per modality (was {before})")
+
+
 def _bench(args) -> None:
     """Hand the rest of the command line to the benchmark's own script (`benchmarks/MODULE.py`)."""
     import importlib
@@ -422,6 +434,10 @@ def parser() -> argparse.ArgumentParser:
     ix.add_argument("--policy", choices=POLICIES, default=NO_REINDEX, help=f"default {NO_REINDEX}")
     ix.add_argument("--split", default="test")
     ix.set_defaults(func=_index)
+
+    sub.add_parser("compact", help="merge the vector index's per-task segments into one per modality (no-reindex "
+                   "appends write one each; the indexing job merges them past Settings index_compact_segments)"
+                   ).set_defaults(func=_compact)
 
     sub.add_parser("runs", help="registered versions with their key metrics").set_defaults(func=_runs)
 

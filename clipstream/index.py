@@ -45,8 +45,13 @@ Z_POOL = 100  # per-task candidates whose scores give the z-score statistics (no
 # On 10 tasks of 10k clustered 128-d vectors, m=16/ef_construct=100 held recall@10 at 0.977 for hnsw_ef=128 (the
 # graph, not the int8 scores: oversampling 4 changed nothing); m=32/ef_construct=200 reached 0.997. One merged
 # segment of 100k (a reindex): task-unknown recall 0.987 at hnsw_ef=128, 0.994 at 200 and 256, p99 ~2 ms all three.
+# A larger graph needs a longer candidate list for the same recall: a segment of more than HNSW_EF_POINTS points is
+# searched with hnsw_ef = HNSW_EF x points / HNSW_EF_POINTS. One merged segment of 500k clustered 128-d images
+# (10 tasks): hnsw_ef 256 -> recall@10 0.929 task-unknown / 0.975 task-known, 512 -> 0.971 / 0.996, 1024 ->
+# 0.992 / 0.998 (p99 7.6 / 9.2 ms), 2048 -> 0.996 / 0.999 (p99 9.6 / 18.7 ms).
 HNSW_M, HNSW_EF_CONSTRUCT, HNSW_EF, HNSW_FROM_KB, OVERSAMPLING = 32, 200, 256, 2000, 2.0
-MERGED = "+tasks"  # names the Edge segments that hold a whole reindexed generation ('+' is never in a task's slug)
+HNSW_EF_POINTS = 125_000
+MERGED = "+tasks"  # names the Edge segments that hold several tasks: a reindex's or a compaction's ('+' is never in a slug)
 _NAMESPACE = uuid.UUID("5b0e8f3a-6c1d-4f51-9c2e-c1195742ea70")
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -187,6 +192,44 @@ class VectorIndex:
             self._sweep(state)
             new = self._build(state, state["generation"] + 1, items, fresh=True)
             new["query_version"] = versions[0]  # the old queries no longer match: switch with the gallery
+            return self._commit(state, new)
+
+    def segments(self) -> int:
+        """How many segments a task-unknown search reads per modality (storage that merges its own: 1)."""
+        state = self._read()
+        return len({refs["image"] for refs in state["segments"].values()}) if self.merges_reindex else 1
+
+    def compact(self) -> dict:
+        """Merge the serving generation's segments into one per modality, so that a task-unknown search walks one
+        graph however many tasks were appended (each append writes a segment of its own). Every point keeps its
+        vector, payload and model version; the counts are verified and the switch is atomic, as a reindex's: a
+        search before it reads the old segments. Storage that merges its own segments (a Qdrant server's
+        optimizer) has nothing to do."""
+        with self._writing():
+            state = self._read()
+            if not self.merges_reindex or self.segments() <= 1:
+                return self.state()
+            self._sweep(state)
+            new, tasks = copy.deepcopy(state), sorted(state["tasks"])
+            bar = tqdm(total=sum(sum(state["tasks"][t]["counts"].values()) for t in tasks), unit="pt",
+                       desc=f"compact g{state['generation']}", disable=not self.progress)
+            for modality in MODALITIES:
+                ids, x, payloads = [], [], []
+                for t in tasks:
+                    for v, p in self._scroll(state, t, modality):
+                        ids.append(point_id(p["item_id"], modality, p["model_version"], self.lineage))
+                        x.append(v)
+                        payloads.append(p)
+                    bar.update(state["tasks"][t]["counts"][modality])
+                ref = self._write(state["generation"], None, modality, ids, np.asarray(x, dtype=np.float32), payloads)
+                stored = self._counts(ref, tasks)
+                for t in tasks:
+                    if stored[t] != state["tasks"][t]["counts"][modality]:
+                        raise VectorIndexError(f"compaction: task {t!r} {modality}: stored {stored[t]} points, expected "
+                                               f"{state['tasks'][t]['counts'][modality]}; the serving segments are "
+                                               "unchanged, rerun to complete")
+                    new["segments"][t][modality] = ref
+            bar.close()
             return self._commit(state, new)
 
     def pin(self, version: str) -> dict:
@@ -414,7 +457,7 @@ class EdgeIndex(VectorIndex):
     def close(self) -> None:
         with self._lock:
             shards, self._shards, self._key = self._shards, {}, None
-        for shard in shards.values():
+        for shard, _ in shards.values():
             shard.close()
 
     def _filter(self, tasks: list[str]):
@@ -455,13 +498,15 @@ class EdgeIndex(VectorIndex):
             return self._state
 
     def _open(self, ref: str):
+        """(the segment's shard, the hnsw_ef its searches use), opened once per reader (a segment never changes)."""
         with self._lock:
-            shard = self._shards.get(ref)
-        if shard is None:
+            opened = self._shards.get(ref)
+        if opened is None:
             shard = self._qe.EdgeShard.load(str(self._dir / ref))
+            ef = max(HNSW_EF, round(HNSW_EF * shard.info().points_count / HNSW_EF_POINTS))
             with self._lock:
-                shard = self._shards.setdefault(ref, shard)
-        return shard
+                opened = self._shards.setdefault(ref, (shard, ef))
+        return opened
 
     merges_reindex = True
 
@@ -526,14 +571,14 @@ class EdgeIndex(VectorIndex):
             tmp.unlink(missing_ok=True)
 
     def _query(self, state, modality, tasks, queries, limit):
-        qe = self._qe
-        params = qe.SearchParams(hnsw_ef=max(HNSW_EF, limit),
-                                 quantization=qe.QuantizationSearchParams(rescore=True, oversampling=OVERSAMPLING))
-        per_segment = [
-            self._open(ref).query_batch(qe.QueryBatchRequest([
+        qe, per_segment = self._qe, []
+        for ref, (flt, _) in self._by_segment(state, modality, tasks).items():
+            shard, ef = self._open(ref)
+            params = qe.SearchParams(hnsw_ef=max(ef, limit),
+                                     quantization=qe.QuantizationSearchParams(rescore=True, oversampling=OVERSAMPLING))
+            per_segment.append(shard.query_batch(qe.QueryBatchRequest([
                 qe.QueryRequest(limit=limit, query=qe.Query.Nearest(q.tolist()), params=params, filter=flt,
-                                with_payload=True) for q in queries]))
-            for ref, (flt, _) in self._by_segment(state, modality, tasks).items()]
+                                with_payload=True) for q in queries])))
         # task-known reads one segment; task-unknown merges each segment's top-k by raw cosine
         return [heapq.nlargest(limit, ((p.score, p.payload) for res in per_segment for p in res[q]), key=lambda r: r[0])
                 for q in range(len(queries))]
@@ -541,14 +586,14 @@ class EdgeIndex(VectorIndex):
     def _taken(self, state, tasks, ids):
         out = {t: [] for t in tasks}
         for ref, (_, served) in self._by_segment(state, "image", tasks).items():
-            for r in self._open(ref).retrieve(ids, True, False):
+            for r in self._open(ref)[0].retrieve(ids, True, False):
                 if r.payload["task"] in served:  # a merged segment also holds other tasks' points
                     out[r.payload["task"]].append(str(r.id))
         return out
 
     def _scroll(self, state, task, modality):
         [(ref, (flt, _))] = self._by_segment(state, modality, [task]).items()
-        shard, offset = self._open(ref), None
+        shard, offset = self._open(ref)[0], None
         while True:
             records, offset = shard.scroll(self._qe.ScrollRequest(offset=offset, limit=1024, filter=flt,
                                                                   with_payload=True, with_vector=True))

@@ -1,9 +1,9 @@
 """The indexing job: a registered version's galleries into the vector index, and evaluation through it.
 It joins the registry and the index (ground floor) with the task data (training), so it stands on top.
 
-`index_task` embeds one task's gallery with a version as a Ray Data batch-inference job (the model loaded
-once per actor; a gallery below `Settings.index_ray_min_rows` pairs in this process) and stores it under the
-no-reindex or reindex policy; `put_lineage` makes the index hold
+`index_task` embeds one task's gallery with a version as a Ray Data batch-inference job (a task per block of
+rows on each CPU, in worker processes that keep the model; a gallery below `Settings.index_ray_min_rows` pairs in
+this process) and stores it under the no-reindex or reindex policy; `put_lineage` makes the index hold
 every task a version was trained through (what promotion needs); `evaluate_through_index` scores retrieval
 by querying the stored vectors, so the no-reindex policy (old vectors from old versions, queries from the
 latest) can be measured with the same R@K as the in-memory evaluator.
@@ -11,6 +11,7 @@ latest) can be measured with the same R@K as the in-memory evaluator.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Optional
 
@@ -25,20 +26,31 @@ from clipstream.training import evaluate
 from clipstream.training.data.reader import batch_image, read_split
 from clipstream.training.data.task import DataError, Task
 
+BLOCK_ROWS = 256  # rows per task of the embedding job: enough tasks to keep every CPU busy, each worth scheduling
 
-class _Embedder:
-    """A Ray Data actor: one model version in memory, batches of rows in, both embeddings out."""
 
-    def __init__(self, folder: str, root: str, images: bool = True):
-        self.bundle = models.load_exported(folder)
-        self.root, self.images = root, images
+@functools.lru_cache(maxsize=2)
+def _cached_bundle(folder: str, stamp: tuple) -> models.ClipBundle:
+    return models.load_exported(folder)
 
-    def __call__(self, batch: dict) -> dict:
-        out = {"id": np.asarray([str(i) for i in batch["id"]]),
-               "text_vec": self.bundle.embed_texts([str(c) for c in batch["caption"]])}
-        if self.images:
-            out["image_vec"] = self.bundle.embed_images([batch_image(batch, i, self.root) for i in range(len(batch["id"]))])
-        return out
+
+def _bundle(folder: str | Path) -> models.ClipBundle:
+    """The exported model in `folder`, loaded once per process (the weights' size and mtime in the key all the
+    same): a Ray worker process keeps it, with torch and open_clip imported, for the job's next block and for the
+    next job's, where an actor pool would start new processes that import and load again for every job."""
+    st = (Path(folder) / models.WEIGHTS_FILE).stat()
+    return _cached_bundle(str(folder), (st.st_size, st.st_mtime_ns))
+
+
+def _embed_batch(batch: dict, *, folder: str, root: str, images: bool, batch_size: int) -> dict:
+    """A Ray Data task: a block of a split's rows in, both embeddings out, by the model this process holds."""
+    bundle = _bundle(folder)
+    out = {"id": np.asarray([str(i) for i in batch["id"]]),
+           "text_vec": bundle.embed_texts([str(c) for c in batch["caption"]], batch_size)}
+    if images:
+        out["image_vec"] = bundle.embed_images([batch_image(batch, i, root) for i in range(len(batch["id"]))],
+                                               batch_size)
+    return out
 
 
 def embed_gallery(version: Version, task: Task, task_index: int, split: str = "test", batch_size: int = 64,
@@ -46,20 +58,32 @@ def embed_gallery(version: Version, task: Task, task_index: int, split: str = "t
     """A task split embedded by `version`, rows in the split's order. `stored_images` (item_id -> vector
     bytes, from the index) replaces image embedding when the version's image tower did not change.
 
-    A gallery of at least `ray_min_rows` pairs is a Ray Data job (the model loaded once per actor); a smaller
-    one is embedded here, in batches of the same size: starting the job's actors costs more than it does."""
+    A gallery of at least `ray_min_rows` pairs is a Ray Data job: the split in blocks of `BLOCK_ROWS` rows, each a
+    task on one CPU (Ray gives it one torch thread), as many at once as the cluster has CPUs, in worker processes
+    that keep the model between blocks and jobs (`_bundle`). A smaller gallery is embedded here, in batches of the
+    same size: starting the job costs more than it does."""
     rows = task.check(split).rows
     ids = [str(r["id"]) for r in rows]
     images = stored_images is None
     if len(rows) < ray_min_rows:
-        bundle = models.load_exported(version.folder)
+        bundle = _bundle(version.folder)
         text = bundle.embed_texts([str(r["caption"]) for r in rows], batch_size)
         image = bundle.embed_images([task.image(r) for r in rows], batch_size) if images else None
     else:
-        ds = read_split(task, split).map_batches(
-            _Embedder, fn_constructor_kwargs={"folder": str(version.folder), "root": str(task.root), "images": images},
-            batch_size=batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=1))
+        blocks = max(1, -(-len(rows) // BLOCK_ROWS))
+        if task.split(split).format == "webdataset":  # the images are in the shards: Ray Data's reader gets them
+            ds = read_split(task, split).repartition(blocks)
+        else:  # ids, captions and image paths: the rows this process has just read to check them
+            ds = ray.data.from_items([{"id": i, "caption": str(r["caption"]), "image": str(r["image"])}
+                                      for i, r in zip(ids, rows)], override_num_blocks=blocks)
+        ds = ds.map_batches(_embed_batch, fn_kwargs={"folder": str(version.folder), "root": str(task.root),
+                                                     "images": images, "batch_size": batch_size},
+                            batch_size=None, batch_format="numpy", num_cpus=1)
         out = {str(r["id"]): r for r in ds.take_all()}
+        missing = [i for i in ids if i not in out]
+        if missing or len(out) != len(ids):
+            raise DataError(f"task {task.name}: the embedding job returned {len(out)} rows for {len(ids)} (missing "
+                            f"{missing[:3]}); did the split change while it ran? rerun")
         text = np.stack([out[i]["text_vec"] for i in ids])
         image = np.stack([out[i]["image_vec"] for i in ids]) if images else None
     if not images:
@@ -85,8 +109,9 @@ def index_task(settings: Settings, version_ref: str, task_dir: str | Path, polic
     with open_index(settings, index_name) as index:
         index.progress = True
         if policy == NO_REINDEX:
-            state = index.append(embed_gallery(version, task, lineage[task.name][0], split,
-                                               ray_min_rows=settings.index_ray_min_rows))
+            index.append(embed_gallery(version, task, lineage[task.name][0], split,
+                                       ray_min_rows=settings.index_ray_min_rows))
+            state = _compacted(index, settings)
         else:
             names = list(index.state()["tasks"]) + [task.name]
             unknown = [n for n in names if n not in lineage]
@@ -113,7 +138,8 @@ def put_lineage(settings: Settings, version: Version, split: str = "test") -> di
                 if name not in state["tasks"]:
                     task = _task_of(entry, "indexing", "keep the data of every task a version may need to index")
                     gallery = embed_gallery(version, task, i, split, ray_min_rows=settings.index_ray_min_rows)
-                    state = _record(registry, version.version, index.append(gallery), NO_REINDEX)
+                    index.append(gallery)
+                    state = _record(registry, version.version, _compacted(index, settings), NO_REINDEX)
         elif set(state["tasks"]) != set(lineage) or any(t["model_version"] != version.version
                                                         for t in state["tasks"].values()):
             state = _record(registry, version.version,
@@ -164,6 +190,14 @@ def _regallery(index: VectorIndex, registry: Registry, version: Version, name: s
         registry.resolve(stored["model_version"], download=False).image_tower == version.image_tower
     return embed_gallery(version, task, task_index, split, stored_images=index.points(name, "image") if same else None,
                          ray_min_rows=ray_min_rows)
+
+
+def _compacted(index: VectorIndex, settings: Settings) -> dict:
+    """The index state after an append, its segments merged when the appends have left more than
+    `settings.index_compact_segments` per modality (the new task is served before the merge starts)."""
+    if settings.index_compact_segments and index.segments() > settings.index_compact_segments:
+        return index.compact()
+    return index.state()
 
 
 def _record(registry: Registry, version: str, state: dict, policy: Policy) -> dict:

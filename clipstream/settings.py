@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     index_policy: Policy = Field(NO_REINDEX, description="how promotion puts the gallery in place")
     index_ray_min_rows: int = Field(1024, ge=0, description="a gallery with fewer pairs is embedded in the indexing "
                                     "process, not as a Ray Data job (whose start-up costs more than embedding it)")
+    index_compact_segments: int = Field(4, ge=0, description="when no-reindex appends leave more segments per "
+                                        "modality than this, the indexing job merges them into one (a task-unknown "
+                                        "search reads each: `clipstream compact`); 0: never")
     serve_replicas: int = Field(1, ge=1, description="Encoder replicas")
     serve_encoder_cpus: float = Field(0.5, ge=0, description="CPUs each Encoder replica reserves (0 shares the cores)")
     serve_search_cpus: float = Field(0.25, ge=0, description="CPUs the Search deployment reserves")

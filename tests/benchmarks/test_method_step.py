@@ -18,7 +18,9 @@ def test_a_small_run_times_each_method_profiles_it_and_checks_the_targets(tmp_pa
     assert checks["ewc step ×finetune"]["target"] == "≤ 1.10" and checks["teir step ×finetune"]["target"] == "≤ 1.05"
     profile = text.split("## Where a step's time goes")[1].split("## Targets")[0]
     assert "| phase | finetune | ewc |" in profile and "| step: backward |" in profile
-    assert "| step: method terms | 0.0 |" in profile  # finetune adds no terms; EWC its closed-form pull
+    # finetune adds no terms (only the profiler's own mark, ~0.1 ms on a busy machine); EWC its closed-form pull
+    terms = next(line for line in profile.splitlines() if line.startswith("| step: method terms |"))
+    assert float(terms.split("|")[2]) < 1.0
 
 
 def test_the_profile_table_puts_phases_in_step_order_and_marks_what_a_method_does_not_run():

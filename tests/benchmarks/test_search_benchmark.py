@@ -29,13 +29,16 @@ def test_galleries_are_unit_vectors_spread_over_the_tasks():
 
 @pytest.mark.parametrize("layout", ["reindex", "append"])
 def test_a_tiny_run_matches_exact_search(tmp_path, layout):
-    result = bench.run_size(1200, 3, 32, 15, "clustered", tmp_path / "idx", layout=layout)
-    assert result["n"] == 1200 and result["tasks"] == 3 and result["build_s"] > 0 and result["layout"] == layout
-    assert len(result["appends_s"]) == (3 if layout == "append" else 0)
-    for mode in bench.MODES:
-        cell = result[mode]
-        assert cell["recall"] == cell["min_recall"] == 1.0  # a small index scans every segment: exact
-        assert 0 < cell["index_50"] <= cell["index_99"] and 0 < cell["exact_50"] <= cell["exact_99"]
+    results = bench.run_size(1200, 3, 32, 15, "clustered", tmp_path / "idx", layout=layout)
+    # an appended index is measured as appended, then once more after `compact` merged its segments
+    assert [r["layout"] for r in results] == ([layout, "compacted"] if layout == "append" else [layout])
+    for result in results:
+        assert result["n"] == 1200 and result["tasks"] == 3 and result["build_s"] > 0
+        assert len(result["appends_s"]) == (3 if result["layout"] == "append" else 0)
+        for mode in bench.MODES:
+            cell = result[mode]
+            assert cell["recall"] == cell["min_recall"] == 1.0  # a small index scans every segment: exact
+            assert 0 < cell["index_50"] <= cell["index_99"] and 0 < cell["exact_50"] <= cell["exact_99"]
 
 
 def fake(n, recall=1.0, p99=1.0, kind="clustered"):
@@ -49,6 +52,7 @@ def test_the_report_checks_recall_everywhere_and_p99_at_100k_and_1m(tmp_path):
                fake(100_000, recall=0.5, kind="uniform")]
     results[1]["unknown"]["index_99"] = 6.0
     results.append({**fake(100_000, p99=9.0), "layout": "append"})
+    results.append({**fake(100_000, p99=3.0), "layout": "compacted"})
     out = tmp_path / "search.md"
     text = bench.search_report(results, {"n": 100_000, "known": {"p50": 7.0, "p99": 9.0},
                                          "unknown": {"p50": 8.0, "p99": 11.0}}, out, "clipstream bench search", "CPU",
@@ -56,12 +60,15 @@ def test_the_report_checks_recall_everywhere_and_p99_at_100k_and_1m(tmp_path):
     assert "Reproduce: `clipstream bench search`" in text and "Wall time 5.0 min" in text and "128 dimensions" in text
     assert "| 1M | clustered | reindex | 10 | unknown | 0.9850 |" in text
     assert "| 100k | uniform | reindex | 10 | known | 0.5000 |" in text and "| 100k | clustered | append | 10 | known |" in text
+    assert "| 100k | clustered | compacted | 10 | unknown |" in text
     assert "## Search RPC at 100k" in text and "| unknown | 8.0 | 11.0 |" in text
     assert out.with_suffix(".png").exists() and "![p50 and p99 search latency" in text
     checks = {c["check"]: c for c in json.loads(out.with_suffix(".json").read_text())["checks"]}
-    # recall at 3 sizes × 2 modes, p99 at 2 sizes × 2 modes, both again for the appended 100k; uniform: reported only
-    assert len(checks) == 14
+    # recall at 3 sizes × 2 modes, p99 at 2 sizes × 2 modes, both again for the appended 100k and for it compacted;
+    # uniform: reported only
+    assert len(checks) == 18
     assert not checks["vector search p99 ms at 100k, task-known, appended"]["ok"]
+    assert checks["vector search p99 ms at 100k, task-unknown, appended then compacted"]["ok"]
     assert not checks["vector search p99 ms at 100k, task-unknown"]["ok"] and checks["vector search p99 ms at 100k, task-known"]["ok"]
     assert not checks["recall@10 at 1M, task-known"]["ok"] and checks["recall@10 at 10k, task-known"]["target"] == "≥ 0.9900"
     assert "vector search p99 ms at 10k, task-known" not in checks  # no latency target at 10k

@@ -99,3 +99,33 @@ def test_a_missing_presets_file_is_an_error_not_a_traceback(settings, stream, mo
     assert main(["train", "--task", str(stream[0])]) == 2
     err = capsys.readouterr().err
     assert "missing.yaml: no such file" in err.strip().splitlines()[-1] and "Traceback" not in err
+
+
+def test_compact_merges_the_appended_segments_and_the_indexing_job_does_past_its_setting(settings, capsys):
+    import numpy as np
+
+    from clipstream.index import TaskVectors, open_index
+    from clipstream.indexing import _compacted
+
+    def task(i):
+        rng = np.random.default_rng(i)
+        return TaskVectors(f"t{i}", i, "1", [f"t{i}-{j}" for j in range(10)], rng.standard_normal((10, 8)),
+                           rng.standard_normal((10, 8)), [f"caption {j}" for j in range(10)])
+
+    with open_index(settings) as index:
+        for i in range(3):
+            index.append(task(i))
+            # index_compact_segments 0: the indexing job never merges them
+            _compacted(index, settings.model_copy(update={"index_compact_segments": 0}))
+            assert index.segments() == i + 1
+        assert _compacted(index, settings.model_copy(update={"index_compact_segments": 3}))["generation"] == 1
+        assert index.segments() == 3
+        assert set(_compacted(index, settings.model_copy(update={"index_compact_segments": 2}))["tasks"]) == {"t0", "t1", "t2"}
+        assert index.segments() == 1
+        index.append(task(3))
+        index.append(task(4))
+    assert main(["compact"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == \
+        f"index '{settings.stream}' generation 1: 5 tasks in 1 segment per modality (was 3)"
+    with open_index(settings) as index:
+        assert index.segments() == 1 and len(index.search(np.ones(8), "image", k=100)) == 50

@@ -558,8 +558,9 @@ def test_edge_large_segments_get_hnsw_and_keep_recall(tmp_path, monkeypatch):
     tasks = [clustered(f"d{i}", "1", 600, task_index=i) for i in range(4)]
     for t in tasks:
         index.append(t)
-    info = index._open(index._read()["segments"]["d0"]["image"]).info()
-    assert info.indexed_vectors_count == 600  # the graph was built (below the threshold it stays 0)
+    shard, ef = index._open(index._read()["segments"]["d0"]["image"])
+    assert shard.info().indexed_vectors_count == 600  # the graph was built (below the threshold it stays 0)
+    assert ef == module.HNSW_EF  # a segment this small is searched with the base candidate list
     rng = np.random.default_rng(6)
     picks = [(int(t), int(rng.integers(0, 600))) for t in rng.integers(0, 4, 60)]
     queries = np.stack([tasks[t].text[r] for t, r in picks])
@@ -636,3 +637,76 @@ def same_as_exact(hits, exact):
     ids, scores = exact
     assert [h.item_id for h in hits] == ids
     np.testing.assert_allclose([h.score for h in hits], scores, atol=1e-5)
+
+
+def test_compact_merges_appended_segments_and_keeps_every_point(make):
+    """Appends write a segment per task (on Edge); compact merges them into one per modality, with every point's
+    vector and payload (its own model version) as they were, after a reindex and a task appended again too; a
+    Qdrant server merges its own segments, so compact changes nothing there."""
+    index = make()
+    index.reindex([tv("a", "1", n=30, task_index=0), tv("b", "1", n=25, task_index=1)])
+    index.append(tv("b", "1", n=12, task_index=1))  # again, fewer items: the merged segment keeps the old copy
+    index.append(tv("c", "2", n=18, task_index=2))
+    index.append(tv("d", "3", n=21, task_index=3))
+    edge = isinstance(index, EdgeIndex)
+    assert index.segments() == (4 if edge else 1)
+    q = np.random.default_rng(11).standard_normal((3, DIM))
+    hits = {m: [ranking(h) for h in index.search_batch(q, m, k=100)] for m in MODALITIES}
+    # (after a search: qdrant-client's local mode rewrites the last bits of some stored vectors on the first one)
+    before = {t: checksums(index, t) for t in "abcd"}
+    state = index.state()
+    after = index.compact()
+    assert index.segments() == 1 and after == state  # same tasks, counts, versions and generation
+    if edge:
+        assert len({refs[m] for refs in index._read()["segments"].values() for m in MODALITIES}) == 2
+        assert len(list((index._dir / "g1").iterdir())) == 2  # the per-task segments are gone from disk
+    assert {t: checksums(index, t) for t in "abcd"} == before
+    assert {m: [ranking(h) for h in index.search_batch(q, m, k=100)] for m in MODALITIES} == hits
+    assert [h.task for h in index.search(q[0], "text", task="c", k=100)] == ["c"] * 18
+    assert index.compact() == state  # nothing left to merge
+    index.append(tv("e", "1", n=10, task_index=4))  # appends go on after a compaction
+    assert index.segments() == (2 if edge else 1) and len(index.search(q[0], "image", k=1000)) == 30 + 12 + 18 + 21 + 10
+
+
+def test_a_failed_compaction_leaves_the_segments_served(tmp_path, monkeypatch):
+    index = EdgeIndex(tmp_path / "edge")
+    for i in range(3):
+        index.append(tv(f"t{i}", "1", n=15, task_index=i))
+    before, published = {t: checksums(index, t) for t in ("t0", "t1", "t2")}, index._read()
+
+    def short(self, ref, tasks):
+        return {t: 0 for t in tasks}
+
+    monkeypatch.setattr(EdgeIndex, "_counts", short)
+    with pytest.raises(VectorIndexError, match="compaction: task 't0' image: stored 0 points, expected 15"):
+        index.compact()
+    monkeypatch.undo()
+    assert index._read() == published and index.segments() == 3
+    assert {t: checksums(index, t) for t in ("t0", "t1", "t2")} == before
+    assert index.compact()["tasks"] == published["tasks"] and not unreferenced(index)  # the half-written one swept
+
+
+def test_a_larger_segment_is_searched_with_a_longer_candidate_list(tmp_path, monkeypatch):
+    """hnsw_ef grows with the segment past HNSW_EF_POINTS points (recall at a fixed hnsw_ef falls as the graph
+    grows), and every search of that segment uses it."""
+    from clipstream import index as module
+
+    monkeypatch.setattr(module, "HNSW_EF_POINTS", 100)
+    index = EdgeIndex(tmp_path / "edge")
+    index.reindex([tv("big", "1", n=300, task_index=0), tv("b", "1", n=100, task_index=1)])
+    index.append(tv("small", "1", n=40, task_index=2))
+    segments = index._read()["segments"]
+    assert index._open(segments["big"]["image"])[1] == 4 * module.HNSW_EF  # 400 points, 4 x HNSW_EF_POINTS
+    assert index._open(segments["small"]["image"])[1] == module.HNSW_EF  # below it: the base
+    asked = []
+    real = module.EdgeIndex._open
+
+    def spy(self, ref):
+        shard, ef = real(self, ref)
+        query = shard.query_batch
+        wrapper = type("Spy", (), {"query_batch": lambda _, req: asked.append(ef) or query(req)})()
+        return wrapper, ef
+
+    monkeypatch.setattr(module.EdgeIndex, "_open", spy)
+    assert len(index.search(np.ones(DIM), "image", k=5)) == 5
+    assert sorted(asked) == [module.HNSW_EF, 4 * module.HNSW_EF]

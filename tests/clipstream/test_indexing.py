@@ -15,8 +15,7 @@ from clipstream.registry import Registry
 from clipstream.training import evaluate
 from clipstream.training.data.task import DataError, Task
 
-STREAM = ("ewc_modx_ctp_er", 2)  # a method stream test's: trained once per session
-pytestmark = pytest.mark.stream(*STREAM)
+STREAM = ("ewc_modx_ctp_er", 2)  # a method stream test's: trained once per session (the tests marked with it)
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +38,7 @@ def _backend(settings, backend, tmp_path, ray: bool = False):
 
 
 @pytest.mark.slow
+@pytest.mark.stream(*STREAM)
 @pytest.mark.parametrize("backend", ["edge", "server"])
 def test_no_reindex_appends_each_task_with_its_own_version(trained, backend, tmp_path, monkeypatch, capsys):
     settings, dirs = trained
@@ -68,6 +68,7 @@ def test_no_reindex_appends_each_task_with_its_own_version(trained, backend, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.stream(*STREAM)
 @pytest.mark.parametrize("backend, ray", [("edge", True), ("server", False)])
 def test_reindex_matches_the_in_memory_evaluator(trained, backend, ray, tmp_path, monkeypatch):
     settings, dirs = trained
@@ -96,6 +97,7 @@ def test_reindex_matches_the_in_memory_evaluator(trained, backend, ray, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.stream(*STREAM)
 def test_reindex_is_refused_when_an_indexed_tasks_data_is_gone(trained, tmp_path):
     settings, dirs = trained
     settings = _backend(settings, "edge", tmp_path)
@@ -115,6 +117,7 @@ def test_reindex_is_refused_when_an_indexed_tasks_data_is_gone(trained, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.stream(*STREAM)
 def test_indexing_a_task_the_version_never_saw_is_refused(trained, tmp_path):
     settings, dirs = trained
     with pytest.raises(ValueError, match="version 1 was not trained through task 'task-02-food'"):
@@ -124,6 +127,7 @@ def test_indexing_a_task_the_version_never_saw_is_refused(trained, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.stream(*STREAM)
 def test_reindex_reuses_stored_image_vectors_only_when_they_come_from_the_same_image_tower(trained, tmp_path):
     from dataclasses import replace
 
@@ -152,6 +156,7 @@ def test_reindex_reuses_stored_image_vectors_only_when_they_come_from_the_same_i
 
 
 @pytest.mark.slow
+@pytest.mark.stream(*STREAM)
 def test_the_ray_data_job_and_the_in_process_path_embed_alike(trained):
     """Small galleries skip the Ray Data job (Settings.index_ray_min_rows): both paths give one gallery."""
     from clipstream.indexing import embed_gallery
@@ -162,3 +167,61 @@ def test_the_ray_data_job_and_the_in_process_path_embed_alike(trained):
     here = embed_gallery(version, task, 1, ray_min_rows=10**6)
     assert by_ray.item_ids == here.item_ids and by_ray.captions == here.captions and len(here.item_ids) == 12
     assert np.allclose(by_ray.image, here.image, atol=1e-6) and np.allclose(by_ray.text, here.text, atol=1e-6)
+
+
+def _gallery_task(root, n: int, fmt: str) -> Task:
+    """A task whose test split has n pairs, as image files + jsonl or as two WebDataset shards."""
+    import io
+    import json
+    import tarfile
+
+    import yaml
+    from PIL import Image
+
+    def png(k):
+        buf = io.BytesIO()
+        Image.fromarray(np.random.default_rng(k).integers(0, 256, (24, 24, 3), dtype=np.uint8)).save(buf, format="PNG")
+        return buf.getvalue()
+
+    root.mkdir(parents=True)
+    if fmt == "jsonl":
+        (root / "images").mkdir()
+        for k in range(n):
+            (root / f"images/{k}.png").write_bytes(png(k))
+        (root / "test.jsonl").write_text("".join(json.dumps({"id": f"g{k:03d}", "image": f"images/{k}.png",
+                                                             "caption": f"caption {k}"}) + "\n" for k in range(n)))
+        split = "test.jsonl"
+    else:
+        (root / "shards").mkdir()
+        for shard in range(2):
+            with tarfile.open(root / f"shards/test-{shard}.tar", "w") as tar:
+                for k in range(shard, n, 2):
+                    for name, data in ((f"g{k:03d}.png", png(k)), (f"g{k:03d}.txt", f"caption {k}".encode())):
+                        info = tarfile.TarInfo(name)
+                        info.size = len(data)
+                        tar.addfile(info, io.BytesIO(data))
+        split = "shards/*.tar"
+    (root / "task.yaml").write_text(yaml.safe_dump({"name": f"gallery-{fmt}", "splits": {"test": split}}))
+    return Task.load(root)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "webdataset"])
+def test_a_gallery_of_several_blocks_is_embedded_by_a_pool_of_actors_in_the_splits_order(ray_cluster, tmp_path, fmt,
+                                                                                       monkeypatch):
+    """The Ray Data job cuts the split into blocks that a pool of actors (one per CPU) embeds in any order; the
+    gallery comes back in the split's row order, each row with its own vectors, as the in-process path gives it."""
+    from types import SimpleNamespace
+
+    from clipstream import indexing
+
+    monkeypatch.setattr(indexing, "BLOCK_ROWS", 20)  # 70 pairs: 4 blocks over the session's 2 CPUs
+    folder = tmp_path / "model"
+    models.export(models.create("clipstream-vit-tiny"), folder)
+    version = SimpleNamespace(folder=folder, version="7")
+    task = _gallery_task(tmp_path / "task", 70, fmt)
+    by_ray = indexing.embed_gallery(version, task, 0, ray_min_rows=0)
+    here = indexing.embed_gallery(version, task, 0, ray_min_rows=10**6)
+    assert by_ray.item_ids == here.item_ids == [str(r["id"]) for r in task.check("test").rows]
+    assert sorted(by_ray.item_ids) == [f"g{k:03d}" for k in range(70)] and by_ray.model_version == "7"
+    assert by_ray.captions == here.captions
+    assert np.allclose(by_ray.image, here.image, atol=1e-5) and np.allclose(by_ray.text, here.text, atol=1e-5)
