@@ -225,3 +225,5 @@ def test_a_gallery_of_several_blocks_is_embedded_by_a_pool_of_actors_in_the_spli
     assert sorted(by_ray.item_ids) == [f"g{k:03d}" for k in range(70)] and by_ray.model_version == "7"
     assert by_ray.captions == here.captions
     assert np.allclose(by_ray.image, here.image, atol=1e-5) and np.allclose(by_ray.text, here.text, atol=1e-5)
+    # the job turns Ray Data's per-operator CPU reservation off for itself only: other datasets keep the default
+    assert ray_cluster.data.DataContext.get_current().op_resource_reservation_enabled
