@@ -151,7 +151,7 @@ def _stored(index, state: dict):
     if isinstance(index, EdgeIndex):
         for refs in index._read()["segments"].values():
             for ref in refs.values():
-                shard, offset = index._open(ref), None
+                shard, offset = index._open(ref)[0], None
                 while True:
                     records, offset = shard.scroll(index._qe.ScrollRequest(offset=offset, limit=1024,
                                                                            with_payload=True, with_vector=True))
