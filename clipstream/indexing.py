@@ -65,8 +65,8 @@ def embed_gallery(version: Version, task: Task, task_index: int, split: str = "t
     rows = task.check(split).rows
     ids = [str(r["id"]) for r in rows]
     images = stored_images is None
-    if len(rows) < ray_min_rows:
-        bundle = _bundle(version.folder)
+    if len(rows) < ray_min_rows:  # (not `_bundle`: this process may be a long-lived server, which keeps no model)
+        bundle = models.load_exported(version.folder)
         text = bundle.embed_texts([str(r["caption"]) for r in rows], batch_size)
         image = bundle.embed_images([task.image(r) for r in rows], batch_size) if images else None
     else:
