@@ -30,10 +30,12 @@ and task-unknown. Writes benchmarks/results/search.md and search.png (latency ag
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -258,8 +260,22 @@ def _size(n: int) -> str:
     return f"{n // 1_000_000}M" if n >= 1_000_000 and n % 1_000_000 == 0 else f"{n // 1000}k" if n % 1000 == 0 else str(n)
 
 
+@contextlib.contextmanager
+def fixed_hnsw_ef(ef: int):
+    """Inside, every HNSW segment this process opens is searched with hnsw_ef `ef` (0: the index's rule)."""
+    from clipstream import index
+
+    saved = index.HNSW_EF, index.HNSW_EF_POINTS
+    if ef:  # the rule is max(HNSW_EF, HNSW_EF x points / HNSW_EF_POINTS): with these, `ef` at any size
+        index.HNSW_EF, index.HNSW_EF_POINTS = ef, sys.maxsize
+    try:
+        yield
+    finally:
+        index.HNSW_EF, index.HNSW_EF_POINTS = saved
+
+
 def search_report(results: list[dict], rpc_result: dict | None, out: Path, command: str, device: str,
-                  seconds: float | None = None, dim: int | None = None) -> str:
+                  seconds: float | None = None, dim: int | None = None, hnsw_ef: int = 0) -> str:
     """The tables to `out` and latency against size to `out`.png; returns the markdown."""
     from clipstream.index import HNSW_EF, HNSW_EF_CONSTRUCT, HNSW_EF_POINTS, HNSW_FROM_KB, HNSW_M, OVERSAMPLING
 
@@ -279,7 +295,9 @@ def search_report(results: list[dict], rpc_result: dict | None, out: Path, comma
              "compacted: the compaction). Load = the machine's 1-minute load average while measuring (other work shares the cores: "
              f"a p99 is only as good as the machine is quiet). A segment holding more than {HNSW_FROM_KB} KB of "
              f"vectors has an HNSW graph (m={HNSW_M}, ef_construct={HNSW_EF_CONSTRUCT}; searched with "
-             f"hnsw_ef={HNSW_EF}, and {HNSW_EF} × points / {HNSW_EF_POINTS} past {HNSW_EF_POINTS} points) over int8-quantised vectors, {OVERSAMPLING:g}× oversampled and rescored in float32 "
+             + (f"hnsw_ef={hnsw_ef} for every segment (--hnsw-ef)) over" if hnsw_ef else
+                f"hnsw_ef={HNSW_EF}, and {HNSW_EF} × points / {HNSW_EF_POINTS} past {HNSW_EF_POINTS} points) over") +
+             f" int8-quantised vectors, {OVERSAMPLING:g}× oversampled and rescored in float32 "
              "(scores are exact cosines); smaller segments are scanned exactly. "
              f"Targets: recall@{K} ≥ {TARGET_RECALL}, p99 ≤ " +
              " and ".join(f"{t:g} ms at {_size(n)}" for n, t in TARGET_P99_MS.items()) + ".", ""]
@@ -345,8 +363,13 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     p.add_argument("--rpc-queries", type=int, default=200)
     p.add_argument("--arch", default="clipstream-vit-small", help="the model whose dimension the vectors have "
                                                                    "and which encodes the RPC's queries")
+    p.add_argument("--hnsw-ef", type=int, default=0, metavar="N",
+                   help="search every HNSW segment with this candidate list instead of the index's rule (a sweep of "
+                        "recall against latency; the Search RPC's replica keeps the rule). 0: the rule")
     p.add_argument("--out", default=str(report.RESULTS / "search.md"), help="the markdown; the plot goes next to it (.png)")
     args = p.parse_args(argv)
+    if args.hnsw_ef < 0:
+        p.error("--hnsw-ef: a candidate list length > 0 (or 0 for the index's rule)")
     sizes = sorted(int(s) for s in args.sizes.split(","))
     dim = embed_dim(args.arch)
     from threadpoolctl import threadpool_limits
@@ -354,7 +377,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     threadpool_limits(1)  # exact search on one thread, as Qdrant scans a segment: per-query latency, not throughput
     wall = time.perf_counter()
     results, rpc_result = [], None
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, fixed_hnsw_ef(args.hnsw_ef):
         served = serving(Path(tmp), args.arch) if args.rpc_size in sizes else None
         for n in sizes:  # the RPC's size is indexed where its app reads, under the served version
             where = (served[0].qdrant_path, served[0].stream, served[1]) if served and n == args.rpc_size else \
@@ -375,8 +398,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     command = (f"clipstream bench search --sizes {','.join(map(str, sizes))} --append-sizes {args.append_sizes} "
                f"--tasks {args.tasks} --queries "
                f"{args.queries} --uniform-size {args.uniform_size} --rpc-size {args.rpc_size} --rpc-queries "
-               f"{args.rpc_queries} --arch {args.arch} --out {args.out}")
-    text = search_report(results, rpc_result, Path(args.out), command, report.device(), seconds, dim)
+               f"{args.rpc_queries} --arch {args.arch}" + (f" --hnsw-ef {args.hnsw_ef}" if args.hnsw_ef else "") +
+               f" --out {args.out}")
+    text = search_report(results, rpc_result, Path(args.out), command, report.device(), seconds, dim, args.hnsw_ef)
     print(text)
     found = checks(results)
     print(json.dumps({"pass": all(c["ok"] for c in found), "checks": found}))

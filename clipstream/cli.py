@@ -96,6 +96,18 @@ def _index(args) -> None:
               f"{entry['counts']['text']} texts")
 
 
+def _export(args) -> None:
+    from clipstream.registry import Registry
+    from clipstream.training.methods.state import STATE_FILE
+
+    version, out = Registry(Settings()).export(args.version, Path(args.out), leave_out=(STATE_FILE,))
+    print(f"version {version.version} ({version.tags.get('task', '?')}, {version.tags.get('method', '?')}) -> {out}\n"
+          f"load it with stock open_clip:\n"
+          f"  import open_clip\n"
+          f"  model, _, preprocess = open_clip.create_model_and_transforms(\"local-dir:{out}\")\n"
+          f"  tokenizer = open_clip.get_tokenizer(\"local-dir:{out}\")")
+
+
 def _compact(args) -> None:
     from clipstream.index import open_index
 
@@ -363,24 +375,87 @@ def _demo_serve(settings: Settings, version: str, dirs: list[Path]) -> None:
         serve.shutdown()
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, where it has one and does not name it already; descriptions and
+    examples keep their lines."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not action.option_strings or "default" in text or action.default is None or action.default is False
+                or action.default is argparse.SUPPRESS or action.default in ([], "")):
+            return text
+        return f"{text} (default: {str(action.default).replace('%', '%%')})"
+
+
+class _Parser(argparse.ArgumentParser):
+    """(subcommands are made of the parser's own class: every one gets the formatter)"""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+
+
+def _version() -> str:
+    """clipstream's version and its main dependencies' (from their installed metadata: nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    deps = ", ".join(f"{name} {of(dist)}" for name, dist in (("torch", "torch"), ("open_clip", "open_clip_torch"),
+                     ("ray", "ray"), ("deepspeed", "deepspeed"), ("mlflow", "mlflow"), ("qdrant-edge", "qdrant-edge-py")))
+    return f"clipstream {of('clipstream')} ({deps})"
+
+
+# `clipstream COMMAND --help` ends with these
+EXAMPLES = {
+    "train": """examples:
+  clipstream data synth --out data/stream
+  clipstream train --task data/stream/task-00-household --method ewc
+  clipstream train --task data/stream/task-01-furnishing --method ewc --parent candidate --set train.epochs=2""",
+    "index": """examples:
+  clipstream index --version candidate --task data/stream/task-00-household
+  clipstream index --version 3 --task data/stream/task-01-furnishing --policy reindex""",
+    "search": """examples (with `clipstream serve` running):
+  clipstream search "a photo of a cup"
+  clipstream search "a wooden chair" --task task-01-furnishing -k 10
+  clipstream search --image photo.png --model-version 2""",
+    "export": """examples:
+  clipstream export --version production --out my-model
+  python -c 'import open_clip; open_clip.create_model_and_transforms("local-dir:my-model")'""",
+    "promote": """examples:
+  clipstream runs
+  clipstream promote 3
+  clipstream rollback""",
+    "demo": """examples:
+  clipstream demo                     # 3 domain tasks + digits, finetune, then indexing and searches
+  clipstream demo --method ewc --no-serve
+  clipstream demo --tasks 2 --set train.epochs=1""",
+}
+
+
 def parser() -> argparse.ArgumentParser:
     from clipstream.index import NO_REINDEX, POLICIES
     from clipstream.training.methods.config import PRESETS, load_presets, method_presets
 
     shipped = method_presets(load_presets(PRESETS))  # not the user's file: a bad one is an error of `main`, not of --help
-    p = argparse.ArgumentParser(prog="clipstream", description=__doc__)
+    p = _Parser(prog="clipstream", description=__doc__)
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True)
 
     data = sub.add_parser("data", help="task data").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="write the synthetic benchmark")
-    synth.add_argument("--out", required=True)
+    synth.add_argument("--out", required=True, metavar="DIR", help="where the task folders go")
     stream = synth.add_mutually_exclusive_group()
     stream.add_argument("--tasks", type=int, default=4, help="domain tasks (default 4)")
     stream.add_argument("--languages", type=int, metavar="K",
                         help="instead of domain tasks, K language tasks: the same images captioned in English and "
                              "K-1 synthetic languages")
-    synth.add_argument("--seed", type=int, default=0)
-    synth.add_argument("--image-size", type=int, default=32)
+    synth.add_argument("--seed", type=int, default=0, help="the random seed of images and captions")
+    synth.add_argument("--image-size", type=int, default=32, help="image side in pixels")
     synth.add_argument("--train-pairs", type=int, help="domain tasks: in all (default 2000); languages: per language "
                                                        "(default 600)")
     synth.add_argument("--test-per-task", type=int, help="default 64 per domain task, 48 per language")
@@ -388,8 +463,9 @@ def parser() -> argparse.ArgumentParser:
     synth.add_argument("--no-held-out", action="store_true", help="leave out the held-out zero-shot task")
     synth.set_defaults(func=_synth)
     check = data.add_parser("check", help="validate a task directory")
-    check.add_argument("--task", required=True)
-    check.add_argument("--on-bad-image", choices=("fail", "skip"), default="fail")
+    check.add_argument("--task", required=True, metavar="DIR", help="a task folder (task.yaml, splits, images)")
+    check.add_argument("--on-bad-image", choices=("fail", "skip"), default="fail",
+                       help="fail: exit 2 at the first bad row; skip: list the bad rows and go on")
     check.set_defaults(func=_check)
 
     def training_args(q, method: bool = True):
@@ -408,7 +484,7 @@ def parser() -> argparse.ArgumentParser:
                        "(default: the system's roots; on when this machine's settings configure a certificate)")
 
     train = sub.add_parser("train", help="train one task as a Ray Train job and register a version")
-    train.add_argument("--task", required=True)
+    train.add_argument("--task", required=True, metavar="DIR", help="the task folder to train on")
     train.add_argument("--parent", help="models:/STREAM@ALIAS, an alias or a version number")
     train.add_argument("--wait-parent", type=float, default=0.0, metavar="SECONDS",
                        help="wait this long for --parent to be registered (default 0: it must exist)")
@@ -423,17 +499,24 @@ def parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="evaluate a registered version on its tasks (or the given ones)")
     ev.add_argument("--version", help="a version number or alias (default: the newest candidate)")
-    ev.add_argument("--task", action="append", default=[])
+    ev.add_argument("--task", action="append", default=[], metavar="DIR",
+                    help="a task folder to evaluate on (repeatable; default: every task the version was trained on)")
     ev.add_argument("--through-index", action="store_true",
                     help="rank the stored vectors (queries encoded by this version) instead of re-embedding galleries")
     ev.set_defaults(func=_eval)
 
     ix = sub.add_parser("index", help="embed a task's gallery with a version and store it in the vector index")
     ix.add_argument("--version", required=True, help="models:/STREAM@ALIAS, an alias or a version number")
-    ix.add_argument("--task", required=True)
+    ix.add_argument("--task", required=True, metavar="DIR", help="the task folder whose gallery is embedded")
     ix.add_argument("--policy", choices=POLICIES, default=NO_REINDEX, help=f"default {NO_REINDEX}")
-    ix.add_argument("--split", default="test")
+    ix.add_argument("--split", default="test", help="the task's split that is the gallery")
     ix.set_defaults(func=_index)
+
+    xp = sub.add_parser("export", help="write a version as an open_clip folder that stock open_clip loads "
+                        "(`local-dir:DIR`)")
+    xp.add_argument("--version", required=True, help="models:/STREAM@ALIAS, an alias or a version number")
+    xp.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder")
+    xp.set_defaults(func=_export)
 
     sub.add_parser("compact", help="merge the vector index's per-task segments into one per modality (no-reindex "
                    "appends write one each; the indexing job merges them past Settings index_compact_segments)"
@@ -462,9 +545,9 @@ def parser() -> argparse.ArgumentParser:
                     "default the server indexes that version's gallery, then switches, and records it; see `follow`)")
     sv.set_defaults(func=_serve)
     en = sub.add_parser("encode", help="embed texts or images through the running service")
-    en.add_argument("text", nargs="*")
+    en.add_argument("text", nargs="*", help="texts to embed")
     en.add_argument("--image", action="append", default=[], help="an image file (repeatable)")
-    en.add_argument("--model-version", default="")
+    en.add_argument("--model-version", default="", help="a version number or alias (default: production)")
     en.add_argument("--language", default="", help="the text's language (a task's lang): refused by a version not trained on it")
     client_args(en)
     en.set_defaults(func=_encode)
@@ -472,8 +555,8 @@ def parser() -> argparse.ArgumentParser:
     se.add_argument("query", nargs="?", help="a text query (or use --image)")
     se.add_argument("--image", help="an image file as the query")
     se.add_argument("--task", help="task-known search in this task; omit for task-unknown")
-    se.add_argument("-k", type=int, default=5)
-    se.add_argument("--model-version", default="")
+    se.add_argument("-k", type=int, default=5, help="hits to return")
+    se.add_argument("--model-version", default="", help="a version number or alias whose vectors are searched (default: production)")
     se.add_argument("--language", default="", help="the text's language (a task's lang): refused by a version not trained on it")
     client_args(se)
     se.set_defaults(func=_search)
@@ -483,7 +566,8 @@ def parser() -> argparse.ArgumentParser:
     kjob.add_argument("--task", required=True, help="the task's URI as the pods see it: s3://, gs:// or a mounted path")
     kjob.add_argument("--parent", help="models:/STREAM@ALIAS, an alias or a version number")
     kstream = kube_sub.add_parser("stream", help="one RayJob per task, each waiting for its parent's version")
-    kstream.add_argument("--tasks", nargs="+", required=True, metavar="URI")
+    kstream.add_argument("--tasks", nargs="+", required=True, metavar="URI", help="the tasks in stream order, as the "
+                         "pods see them")
     kstream.add_argument("--parent", help="the first task's parent (default: the preset's model)")
     kstream.add_argument("--wait-parent", type=float, default=24 * 3600, metavar="SECONDS",
                          help="how long each job waits for its parent's version (default 86400)")
@@ -518,9 +602,10 @@ def parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_bench)
 
     demo = sub.add_parser("demo", help="synthesise a stream, train it task by task, show the R matrix")
-    demo.add_argument("--out")
+    demo.add_argument("--out", metavar="DIR", help="where the demo's synthetic tasks go (default: a new "
+                      "demo-DATE-TIME folder in Settings data_dir)")
     demo.add_argument("--tasks", type=int, default=3, help="domain tasks (the digits task is added last)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="the random seed of the data and of training")
     demo.add_argument("--no-serve", action="store_true", help="stop after training (no indexing, promotion or serving)")
     demo.add_argument("--cluster", action="store_true",
                       help="the cluster path on this machine instead: 2 `ray start` nodes, `mlflow server`, the RayJobs "
@@ -528,6 +613,8 @@ def parser() -> argparse.ArgumentParser:
                            "(needs helm: `make cluster-demo`; --tasks domain tasks, no digits task)")
     training_args(demo)
     demo.set_defaults(func=_demo)
+    for name, text in EXAMPLES.items():
+        sub.choices[name].epilog = text
     return p
 
 
@@ -583,7 +670,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     """What a user's input can cause: bad data, a reference the registry does not know, a bad value, a missing
     file, a status from the service. Read from the modules a command loaded (a module that was never imported
     raised nothing), so that `data synth` does not pay for importing MLflow and gRPC."""
-    errors: list[type[Exception]] = [ValueError, FileNotFoundError]
+    errors: list[type[Exception]] = [ValueError, FileNotFoundError, FileExistsError]
     for module, name in (("clipstream.training.data.task", "DataError"), ("clipstream.registry", "RegistryError"),
                          ("grpc", "RpcError"), ("clipstream.services.binding", "BindingError")):
         if _loaded(module):

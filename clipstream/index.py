@@ -48,9 +48,11 @@ Z_POOL = 100  # per-task candidates whose scores give the z-score statistics (no
 # A larger graph needs a longer candidate list for the same recall: a segment of more than HNSW_EF_POINTS points is
 # searched with hnsw_ef = HNSW_EF x points / HNSW_EF_POINTS. One merged segment of 500k clustered 128-d images
 # (10 tasks): hnsw_ef 256 -> recall@10 0.929 task-unknown / 0.975 task-known, 512 -> 0.971 / 0.996, 1024 ->
-# 0.992 / 0.998 (p99 7.6 / 9.2 ms), 2048 -> 0.996 / 0.999 (p99 9.6 / 18.7 ms).
+# 0.992 / 0.998 (p99 7.6 / 9.2 ms), 2048 -> 0.996 / 0.999 (p99 9.6 / 18.7 ms); 1024 on another build of the same
+# 1M gallery (`bench search`, search-1m.md) gave 0.987 task-unknown: graph randomness puts 1024 at the edge, so a
+# 500k segment gets 1280. `clipstream bench search --hnsw-ef N` reruns such a sweep.
 HNSW_M, HNSW_EF_CONSTRUCT, HNSW_EF, HNSW_FROM_KB, OVERSAMPLING = 32, 200, 256, 2000, 2.0
-HNSW_EF_POINTS = 125_000
+HNSW_EF_POINTS = 100_000
 MERGED = "+tasks"  # names the Edge segments that hold several tasks: a reindex's or a compaction's ('+' is never in a slug)
 _NAMESPACE = uuid.UUID("5b0e8f3a-6c1d-4f51-9c2e-c1195742ea70")
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

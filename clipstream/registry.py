@@ -259,6 +259,29 @@ class Registry:
         bundle.model.eval()
         return bundle
 
+    def export(self, ref: str | int, out: Path, leave_out: tuple[str, ...] = ()) -> tuple[Version, Path]:
+        """The version's open_clip folder copied to `out` (a new or empty folder), without the files named in
+        `leave_out` (what only the next task's job reads, such as the method state): stock open_clip loads it with
+        `create_model_and_transforms("local-dir:OUT")`, which is checked before `out` is written. The version's
+        manifest (lineage, R matrix) goes along as provenance."""
+        out = Path(out)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise FileExistsError(f"{out} exists and is not an empty folder: choose a new one (nothing was written)")
+        version = self.resolve(ref)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        try:
+            for path in version.folder.iterdir():
+                if path.name not in leave_out:
+                    (shutil.copytree if path.is_dir() else shutil.copy2)(path, staging / path.name)
+            models.load_exported(staging)  # what a user will call; an error here leaves `out` untouched
+            if out.exists():
+                out.rmdir()  # (empty, checked above)
+            staging.rename(out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return version, out
+
     def set_alias(self, alias: str, version: str) -> None:
         self.client.set_registered_model_alias(self.name, alias, str(version))
         self._aliases.pop(alias, None)

@@ -129,3 +129,89 @@ def test_compact_merges_the_appended_segments_and_the_indexing_job_does_past_its
         f"index '{settings.stream}' generation 1: 5 tasks in 1 segment per modality (was 3)"
     with open_index(settings) as index:
         assert index.segments() == 1 and len(index.search(np.ones(8), "image", k=100)) == 50
+
+
+STOCK_OPEN_CLIP = """
+import json, sys
+import open_clip, torch
+model, _, preprocess = open_clip.create_model_and_transforms(sys.argv[1])
+tokenizer = open_clip.get_tokenizer(sys.argv[1])
+model.eval()
+with torch.no_grad():
+    text = model.encode_text(tokenizer(["a red bicycle"]))
+    image = model.encode_image(torch.zeros(1, 3, *model.visual.image_size))
+print(json.dumps({"text": text[0].tolist(), "image": image[0].tolist(),
+                  "clipstream": any(m.startswith("clipstream") for m in sys.modules)}))
+"""
+
+
+def test_export_writes_a_folder_stock_open_clip_loads_and_never_overwrites_one(settings, stream, capsys, tmp_path):
+    import json
+
+    import torch
+
+    from clipstream.registry import Registry
+    from tests.conftest import register_version
+
+    version = register_version(settings, seed=3, alias="production", task_dirs=[stream[0]])
+    out = tmp_path / "exported"
+    assert main(["export", "--version", "production", "--out", str(out)]) == 0
+    assert f'create_model_and_transforms("local-dir:{out}")' in capsys.readouterr().out
+    files = {p.name for p in out.iterdir()}
+    assert {"open_clip_config.json", "open_clip_model.safetensors", "clipstream.json"} <= files
+    assert "method_state.safetensors" not in files  # the next task's job reads it, not a user of the model
+    # stock open_clip, in a process that never imports clipstream, gives the registered version's embeddings
+    done = subprocess.run([sys.executable, "-c", STOCK_OPEN_CLIP, f"local-dir:{out}"], capture_output=True, text=True,
+                          check=False, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    stock = json.loads(done.stdout.splitlines()[-1])
+    assert not stock["clipstream"]
+    bundle = Registry(settings).load(version)
+    with torch.no_grad():
+        text = bundle.model.encode_text(bundle.tokenizer(["a red bicycle"]))[0]
+        image = bundle.model.encode_image(torch.zeros(1, 3, *bundle.model.visual.image_size))[0]
+    torch.testing.assert_close(torch.tensor(stock["text"]), text, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(stock["image"]), image, rtol=1e-5, atol=1e-5)
+    # a folder that holds anything is never written into; an unknown version is one line and exit 2
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert main(["export", "--version", version, "--out", str(out)]) == 2
+    assert "exists and is not an empty folder" in capsys.readouterr().err
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert main(["export", "--version", "99", "--out", str(tmp_path / "other")]) == 2
+    assert "no such model version" in capsys.readouterr().err and not (tmp_path / "other").exists()
+
+
+def _commands(p, path=()):
+    """(command words, parser) for every (sub)command of `p`."""
+    import argparse
+
+    yield path, p
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _commands(child, (*path, name))
+
+
+def test_every_option_has_help_that_names_its_default_and_the_main_verbs_show_examples(capsys):
+    import argparse
+
+    from clipstream.cli import parser
+
+    commands = dict(_commands(parser()))
+    assert len(commands) > 20
+    for path, p in commands.items():
+        text = p.format_help()
+        for action in p._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction, argparse._VersionAction)):
+                continue
+            assert action.help, f"clipstream {' '.join(path)} {action.option_strings or action.dest}: no help"
+            if action.option_strings and action.default not in (None, False, [], "", argparse.SUPPRESS):
+                shown = p._get_formatter()._get_help_string(action)
+                assert "default" in shown, f"clipstream {' '.join(path)} {action.option_strings[0]}: default not named"
+        if path and path[-1] in ("train", "index", "search", "export", "promote", "demo"):
+            assert "\nexamples" in text and f"clipstream {path[-1]}" in text.split("\nexamples")[1]
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("clipstream 0.") and "ray 2." in out and "open_clip 3." in out
