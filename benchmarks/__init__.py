@@ -15,5 +15,6 @@ BENCHMARKS = {
     "indexing": "indexing",  # clipstream index against an in-process encode loop; reindex/append against index size
     "reliability": "reliability",  # serving under load and faults; every fault and bad input with its outcome
     "stream-growth": "stream_growth",  # wall, step, memory and evaluation time per task as the stream grows
+    "first-run": "first_run",  # `clipstream demo` as a new user sees it: time, lines printed, processes left
     "gpu": "gpu",  # bf16 DeepSpeed training throughput, MFU and encoder images/s on a GPU (skipped without one)
 }

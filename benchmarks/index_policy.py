@@ -120,7 +120,30 @@ def index_policy_report(results: dict, names: list[str], tasks: int, seed: int, 
                 rows.append([policy, name, *([scores[mode][name][c] for c in COLUMNS] if name != "mean" else
                                              [sum(scores[mode][n][c] for n in names) / len(names) for c in COLUMNS])])
         lines += [f"## Task-{mode}", "", *report.table(["policy", "task", *COLUMNS], rows), ""]
+    figure = plot(results, names, Path(out).with_suffix(".png"))
+    lines[5:5] = [f"![R@10 of each task through each policy, task-known and task-unknown]({figure.name})", ""]
     return report.write(out, lines)
+
+
+def plot(results: dict, names: list[str], path: Path) -> Path:
+    """R@10 (image→text and text→image averaged) of each task and their mean, a bar per policy, task-known on the
+    left and task-unknown on the right."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5 + 1.6 * len(names), 4))
+    labels = [*names, "mean"]
+    width = 0.8 / len(results)
+    for k, (ax, mode) in enumerate(zip(fig.subplots(1, 2, sharey=True), ("known", "unknown"))):
+        for i, (policy, scores) in enumerate(results.items()):
+            r10 = [(scores[mode][n]["i2t_R@10"] + scores[mode][n]["t2i_R@10"]) / 2 for n in names]
+            ax.bar([x + (i - (len(results) - 1) / 2) * width for x in range(len(labels))], [*r10, sum(r10) / len(r10)],
+                   width=width, label=policy)
+        ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right")
+        ax.set_title(f"task-{mode}")
+        if k == 0:
+            ax.set_ylabel("R@10, mean of i2t and t2i (%)")
+            ax.legend(fontsize=8)
+    return report.save_figure(fig, path)
 
 
 if __name__ == "__main__":

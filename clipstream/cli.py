@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 
+from clipstream import console
 from clipstream.settings import Settings
 
 
@@ -25,7 +27,7 @@ def _synth(args) -> None:
         print(folder)
     zero_shot = held_out_task(args.out)
     if zero_shot:  # not a stream task: on stderr, so stdout stays the list of tasks to train
-        print(f"held-out zero-shot task (no version trains on it): {zero_shot}", file=sys.stderr)
+        print(f"held-out zero-shot task (no version trains on it): {zero_shot}", file=console.err())
 
 
 def _check(args) -> None:
@@ -46,6 +48,14 @@ def _train(args) -> None:
                       gpus_per_worker=args.gpus_per_worker, aliases=args.alias, wait_parent_s=args.wait_parent,
                       zero_shot=args.zero_shot, retrain=args.retrain)
     _print_result(result)
+
+
+def _task_line(result, i: int, tasks: int, parent) -> str:
+    """One line per trained task: what it made, how long it took, where the stream stands."""
+    known = result.known
+    return (f"task {i + 1}/{tasks} {result.task:<22} version {result.version} (parent {parent or 'none'}) "
+            f"{result.seconds:4.0f} s   task-known AA {known.average_accuracy():5.1f}  forgetting "
+            f"{known.mean_forgetting():4.1f}  BWT {known.bwt():+5.1f}")
 
 
 def _print_result(result) -> None:
@@ -106,6 +116,57 @@ def _export(args) -> None:
           f"  import open_clip\n"
           f"  model, _, preprocess = open_clip.create_model_and_transforms(\"local-dir:{out}\")\n"
           f"  tokenizer = open_clip.get_tokenizer(\"local-dir:{out}\")")
+
+
+def _ui(args) -> None:
+    """`mlflow ui` on the settings' store, on loopback, until Ctrl-C (or the process is told to stop)."""
+    import signal
+    import subprocess
+    import urllib.request
+
+    from clipstream.local_cluster import free_port, tool
+
+    settings = Settings()
+    uri = settings.mlflow_tracking_uri
+    if uri.startswith(("http://", "https://")):
+        print(f"MLflow UI: {uri} (the tracking server of these settings serves it)")
+        return
+    port = args.port or free_port()
+    command = [tool("mlflow"), "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port),
+               "--workers", "1"]
+    server = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True)  # (its output: the log)
+    url = f"http://127.0.0.1:{port}"
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        deadline = time.monotonic() + args.timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2):
+                    break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"`mlflow ui` did not come up on {url} ("
+                                       f"{'exited ' + str(server.returncode) if server.poll() is not None else 'timed out'}"
+                                       f"; its output is in {console.log_path() or 'the terminal'})") from None
+                time.sleep(0.5)
+        print(f"MLflow UI: {url} (experiment {settings.stream!r}: a run per task with its R-matrix heatmap, recall "
+              f"curve and loss curves under Artifacts > plots; registered model {settings.stream!r}). Ctrl-C stops it.",
+              flush=True)
+        server.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)  # its group: the server and the workers it started
+            try:
+                server.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
 
 
 def _compact(args) -> None:
@@ -335,17 +396,17 @@ def _demo(args) -> None:
     print(f"== synthesising {args.tasks} domain tasks + the digits task under {out}")
     dirs = synthesize(out, tasks=args.tasks, seed=args.seed)
     parent, result = None, None
+    print(f"== training them one after another: {args.method}, {args.workers} Ray Train workers with DeepSpeed")
     for i, folder in enumerate(dirs):
-        print(f"\n== task {i + 1}/{len(dirs)}: {folder.name} ({args.method}, {args.workers} Ray workers, parent {parent or 'none'})")
         result = run_task(folder, args.method, parent, args.workers, args.set, settings,  # (later tasks inherit it)
                           zero_shot=[*args.zero_shot, held_out_task(out)] if i == 0 else (),
                           retrain=True)  # a demo run again in the same home trains again
+        print(_task_line(result, i, len(dirs), parent))
         parent = result.version
     _print_result(result)
+    print(f"every run with its R matrix, recall and loss curves: clipstream ui (MLflow, {settings.mlflow_tracking_uri})")
     if not args.no_serve:
         _demo_serve(settings, result.version, dirs)
-    print(f"\nMLflow: `mlflow ui --backend-store-uri {settings.mlflow_tracking_uri}` then open http://127.0.0.1:5000 "
-          f"(experiment {settings.stream!r}, registered model {settings.stream!r})")
 
 
 def _demo_serve(settings: Settings, version: str, dirs: list[Path]) -> None:
@@ -367,7 +428,7 @@ def _demo_serve(settings: Settings, version: str, dirs: list[Path]) -> None:
         with Client(f"127.0.0.1:{settings.grpc_port}") as client:
             for query, task in ((first["caption"], dirs[0].name), (first["caption"], None), (last["caption"], None)):
                 print()
-                print(format_hits(client.search(text=query, task=task or "", k=5), query, task))
+                print(format_hits(client.search(text=query, task=task or "", k=3), query, task))
             image = Task.load(dirs[-1]).root / last["image"]
             print()
             print(format_hits(client.search(image=image, task=dirs[-1].name, k=3), f"image {last['image']}", dirs[-1].name))
@@ -393,6 +454,11 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", _Help)
         super().__init__(*args, **kwargs)
+        # before or after the command (`clipstream -v train ...`, `clipstream train -v ...`); SUPPRESS: a command's
+        # parser leaves the value the top one set
+        self.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                          help="show Ray's, Ray Data's, DeepSpeed's and MLflow's logs here (default: into a log file "
+                               "under HOME/logs, whose path is printed)")
 
 
 def _version() -> str:
@@ -518,6 +584,11 @@ def parser() -> argparse.ArgumentParser:
     xp.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder")
     xp.set_defaults(func=_export)
 
+    ui = sub.add_parser("ui", help="start the MLflow UI on the settings' tracking store (loopback) and print its URL")
+    ui.add_argument("--port", type=int, default=0, help="the port (0: a free one)")
+    ui.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the UI to answer")
+    ui.set_defaults(func=_ui)
+
     sub.add_parser("compact", help="merge the vector index's per-task segments into one per modality (no-reindex "
                    "appends write one each; the indexing job merges them past Settings index_compact_segments)"
                    ).set_defaults(func=_compact)
@@ -618,8 +689,26 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# the commands that start Ray, DeepSpeed or Ray Serve: quiet unless -v (see clipstream.console)
+QUIET = ("train", "eval", "index", "compact", "promote", "rollback", "follow", "serve", "demo", "bench", "ui")
+
+
+def _quiet(command: str) -> None:
+    import tempfile
+
+    try:
+        folder = Settings().home / "logs"
+    except Exception:  # (bad settings are reported by the command itself, in one line)
+        folder = Path(tempfile.gettempdir())
+    path = console.quiet(folder, command)
+    if path:
+        print(f"clipstream: Ray, DeepSpeed and MLflow log to {path} (-v shows them here)", file=console.err())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command in QUIET and not getattr(args, "verbose", False):
+        _quiet(args.command)
     # MLflow's SQL store logs a database error with its traceback before raising it; the error is ours to
     # report, in one line (below)
     logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
@@ -627,17 +716,17 @@ def main(argv: list[str] | None = None) -> int:
         code = args.func(args)
     except Exception as exc:
         job = _loaded("clipstream.training.job")
-        if job and isinstance(exc, job.TrainingFailed) or isinstance(exc, _dependency_errors()):
+        if job and isinstance(exc, (job.TrainingFailed, job.RayStartError)) or isinstance(exc, _dependency_errors()):
             # not the input's fault (a job that failed, MLflow or the vector store down): exit 1, one line
-            print(f"clipstream: error: {_one_line(exc)}", file=sys.stderr)
+            print(f"clipstream: error: {_one_line(exc)}", file=console.err())
             return 1
         if not isinstance(exc, _user_errors()):  # a bug: one line here, the traceback in a file
             print(f"clipstream: internal error: {type(exc).__name__}: {_one_line(exc)} (traceback in {_crash_log(exc)}; "
-                  "please report it)", file=sys.stderr)
+                  "please report it)", file=console.err())
             return 1
         rpc = _loaded("grpc")
         detail = f"{exc.code().name}: {exc.details()}" if rpc and isinstance(exc, rpc.RpcError) else _one_line(exc)
-        print(f"clipstream: error: {detail}", file=sys.stderr)  # a gRPC error: the service's own status and message
+        print(f"clipstream: error: {detail}", file=console.err())  # a gRPC error: the service's own status and message
         return 2
     return code or 0
 

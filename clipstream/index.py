@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from tqdm import tqdm
+
+from clipstream import console
 
 Policy = Literal["no-reindex", "reindex"]
 NO_REINDEX: Policy = "no-reindex"
@@ -213,7 +214,7 @@ class VectorIndex:
                 return self.state()
             self._sweep(state)
             new, tasks = copy.deepcopy(state), sorted(state["tasks"])
-            bar = tqdm(total=sum(sum(state["tasks"][t]["counts"].values()) for t in tasks), unit="pt",
+            bar = console.bar(total=sum(sum(state["tasks"][t]["counts"].values()) for t in tasks), unit="pt",
                        desc=f"compact g{state['generation']}", disable=not self.progress)
             for modality in MODALITIES:
                 ids, x, payloads = [], [], []
@@ -337,7 +338,7 @@ class VectorIndex:
         new = self._empty() if fresh else copy.deepcopy(state)
         new["generation"], new["dim"] = gen, int(items[0][1][0].shape[1])
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        bar = tqdm(total=sum(2 * len(tv.item_ids) for tv, _ in items), unit="pt", desc=f"index g{gen}",
+        bar = console.bar(total=sum(2 * len(tv.item_ids) for tv, _ in items), unit="pt", desc=f"index g{gen}",
                    disable=not self.progress)
         # a reindexed generation is written whole: where storage merges it (Edge), one segment per modality holds
         # every task, so a task-unknown search walks one graph instead of one per task

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import yaml
 
+from clipstream import console
+
 CHART = Path(__file__).resolve().parents[1] / "charts" / "clipstream"
 # Training settings for nodes of one CPU: a worker holds half of it, Ray Data's read and preprocessing tasks
 # a quarter each (at the default of one CPU they would never be scheduled next to a worker)
@@ -421,8 +423,7 @@ def demo(out: Path, method: str = "finetune", tasks: int = 2, seed: int = 0, ove
     """The cluster path once, on this machine: a stream trained by RayJobs through the Jobs API on two nodes,
     registered on the MLflow server, served from the chart's RayService config, promoted and searched. The
     synthetic held-out task and `zero_shot` are evaluated with every version."""
-    from tqdm import tqdm
-
+    
     from clipstream.cli import format_hits
     from clipstream.services.client import Client
     from clipstream.training.data.synth import held_out_task, synthesize
@@ -440,7 +441,7 @@ def demo(out: Path, method: str = "finetune", tasks: int = 2, seed: int = 0, ove
                        overrides=[*SMALL_NODES, *overrides], env=base, cwd=cluster.root)
         print(f"\n== training {len(dirs)} tasks: the RayJobs of `clipstream k8s stream` ({method}), submitted through "
               "the Ray Jobs API at once; each waits for its parent's version")
-        with tqdm(total=len(jobs), unit="job") as bar:
+        with console.bar(total=len(jobs), unit="job") as bar:
             cluster.wait_for_jobs(cluster.submit(jobs), done=lambda job: bar.update())
         last = str(len(dirs))
         print("\n== serving: the chart's RayService serveConfigV2, `serve deploy`ed")

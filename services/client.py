@@ -12,8 +12,8 @@ import grpc
 import numpy as np
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tqdm import tqdm
 
+from clipstream import console
 from clipstream.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -119,7 +119,7 @@ class Client:
         if not items:
             raise ValueError("nothing to encode")
         vectors, versions = [], set()
-        with tqdm(total=len(items), unit="item", disable=not (progress if progress is not None else len(items) > 10 * batch_size)) as bar:
+        with console.bar(total=len(items), unit="item", disable=not (progress if progress is not None else len(items) > 10 * batch_size)) as bar:
             for chunk in _chunks(items, batch_size, MAX_REQUEST_BYTES // 2):
                 response = call(chunk)
                 vectors.append(np.array([e.values for e in response.embeddings], dtype=np.float32))

@@ -116,3 +116,19 @@ def plot_spatial_disorder(old_img: np.ndarray, old_txt: np.ndarray, new_img: np.
         fig.suptitle(title)
     fig.savefig(path, format="png", dpi=100)
     return path
+
+
+def plot_losses(histories: dict[str, list[tuple[int, float]]], path: str | Path, title: str = "") -> Path:
+    """PNG of training loss curves: {name: [(step, value), ...]}, the total loss on top, the method's terms under it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = Figure(figsize=(8, 4), layout="constrained")
+    ax = fig.add_subplot()
+    for name, points in sorted(histories.items(), key=lambda kv: (kv[0] != "loss", kv[0])):
+        if points:
+            steps, values = zip(*sorted(points))
+            ax.plot(steps, values, lw=2 if name == "loss" else 1, label=name)
+    ax.set(xlabel="step", ylabel="loss", title=title)
+    ax.legend(fontsize=8)
+    fig.savefig(path, format="png", dpi=100)
+    return path

@@ -226,6 +226,23 @@ class ResultMatrix:
         fig.savefig(path, format="png", dpi=100)
         return path
 
+    def curves(self, path: str | Path, title: str = "Rm over the stream") -> Path:
+        """Write each task's Rm after every task from the one that introduced it (R[i][j] for i >= j: what
+        forgetting looks like), and AA, as a PNG line plot; returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        v, n = self.values, len(self.tasks)
+        fig = Figure(figsize=(2.5 + 0.9 * max(n, 2), 4), layout="constrained")
+        ax = fig.add_subplot()
+        for j, task in enumerate(self.tasks):
+            ax.plot(range(j, n), v[j:, j], "o-", label=task)
+        ax.plot(range(n), [self.average_accuracy(i) for i in range(n)], "k--", lw=2, label="AA")
+        ax.set_xticks(range(n), self.tasks, rotation=30, ha="right")
+        ax.set(xlabel="after task i", ylabel="Rm (mean recall@1,5,10, %)", title=title)
+        ax.legend(fontsize=8)
+        fig.savefig(path, format="png", dpi=100)
+        return path
+
     def format_table(self) -> str:
         """Fixed-width text table (rows: after task i, columns: on task j, last column AA_i) followed by
         the final AA, per-task forgetting and BWT, for the CLI."""

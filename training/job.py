@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +47,7 @@ from ray.train import (
 )
 from ray.train.torch import TorchTrainer
 
-from clipstream import models
+from clipstream import console, models
 from clipstream.registry import CANDIDATE, MANIFEST, PRODUCTION, Registry, Version
 from clipstream.settings import Settings
 from clipstream.training import diagnostics, evaluate, launch, methods
@@ -53,6 +55,8 @@ from clipstream.training.data.reader import training_dataset
 from clipstream.training.data.task import DataError, Task
 from clipstream.training.engine import EXPORT_DIR, METHOD_STATE_FILE, STATE_FILE
 from clipstream.training.methods.state import load_state, save_state
+
+logger = logging.getLogger(__name__)
 
 
 class TrainingFailed(RuntimeError):
@@ -404,7 +408,8 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
         datasets={"train": dataset}, dataset_config=DataConfig(execution_options=ingest),
     )
     try:
-        result = trainer.fit()
+        with _Progress(settings.mlflow_tracking_uri, run_id, plan):
+            result = trainer.fit()
     except TrainingFailedError as exc:  # the run is then closed as FAILED, and nothing is registered
         cause = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise TrainingFailed(f"task {plan.task.name!r}: training failed after train.max_failures="
@@ -456,6 +461,7 @@ def evaluate_version(plan: Plan, trained: Path, plots: Path) -> Evaluation:
                        f"{mode}/BWT": matrix.bwt()})
         mlflow.log_dict(matrix.to_dict(), f"matrix_{mode}.json")
         matrix.heatmap(plots / f"{plan.run_name}-{mode}.png", title=f"R[i][j] (Rm, task-{mode}) after {plan.task.name}")
+        matrix.curves(plots / f"{plan.run_name}-{mode}-recall.png", title=f"task-{mode} Rm over the stream")
         matrices[mode] = matrix
     mlflow.log_metrics(logged)
     zero_shot, zero_shot_pairs = _zero_shot(plan, bundle, batch)
@@ -473,8 +479,13 @@ def evaluate_version(plan: Plan, trained: Path, plots: Path) -> Evaluation:
         mlflow.log_metrics(diagnostics.spatial_disorder(*probe))
         diagnostics.plot_spatial_disorder(*probe, plots / f"{plan.run_name}-spatial-disorder.png",
                                           title=f"v{plan.parent.version} -> {plan.task.name}: old tasks' test pairs")
-    mlflow.log_artifacts(str(plots), "plots")
     run = mlflow.active_run()
+    if run:  # the curves rank 0 logged while it trained
+        client = mlflow.MlflowClient()
+        histories = {key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+                     for key in client.get_run(run.info.run_id).data.metrics if key == "loss" or key.startswith("loss/")}
+        diagnostics.plot_losses(histories, plots / f"{plan.run_name}-loss.png", title=f"training loss, {plan.task.name}")
+    mlflow.log_artifacts(str(plots), "plots")
     if run:  # for the next task's job, whose parent this version will be
         _GALLERIES.put(run.info.run_id, seen, embedded, batch)
     mlflow.log_metrics({"eval/seconds": time.perf_counter() - tic, "eval/cpu_seconds": time.process_time() - cpu,
@@ -518,15 +529,94 @@ def register(registry: Registry, plan: Plan, trained: Path, result: Evaluation) 
     return version
 
 
+class _Progress:
+    """A progress bar of the training steps (epoch, step, loss, samples/s, ETA), drawn in the driver from what rank 0
+    logs into the task's MLflow run every `train.log_every` steps (the channel the metrics take anyway; the workers'
+    own output is in their log files)."""
+
+    def __init__(self, tracking_uri: str, run_id: str, plan: Plan, poll_s: float = 1.0):
+        from mlflow import MlflowClient
+
+        self.client, self.run_id, self.poll_s, self.epochs = MlflowClient(tracking_uri), run_id, poll_s, plan.config["train"]["epochs"]
+        self.bar = console.bar(total=plan.steps_per_epoch * self.epochs, unit="step", desc=f"train {plan.task.name}",
+                               leave=False, mininterval=0.5, dynamic_ncols=True)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="clipstream-progress", daemon=True)
+
+    def __enter__(self) -> "_Progress":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.bar.close()
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.poll_s):
+            try:
+                self.update()
+            except Exception:  # a read that failed (the store busy) is tried again at the next poll
+                logger.debug("progress: reading the run's metrics failed", exc_info=True)
+
+    def update(self) -> None:
+        last = {k: max(self.client.get_metric_history(self.run_id, k), key=lambda m: m.step, default=None)
+                for k in ("loss", "samples_per_s", "epoch")}
+        if last["loss"] is None:
+            return
+        self.bar.n = min(last["loss"].step, self.bar.total)
+        epoch = int(last["epoch"].value) + 1 if last["epoch"] else 1
+        self.bar.set_postfix_str(f"epoch {epoch}/{self.epochs} loss {last['loss'].value:.3f}"
+                                 + (f" {last['samples_per_s'].value:.0f} samples/s" if last["samples_per_s"] else ""))
+
+
+class RayStartError(RuntimeError):
+    """The local Ray instance could not start (exit 1, one line: not the input's fault)."""
+
+
 def init_ray(settings: Settings, num_cpus: Optional[int] = None) -> None:
+    """Connect to `settings.ray_address`, or start a Ray instance of this process's own.
+
+    The local instance never meets another Ray on the machine: its GCS on a free port of its own, its temp dir
+    (sessions, sockets, worker logs) a new folder rather than the shared /tmp/ray, and RAY_ADDRESS set to it in
+    every worker, so that what Ray itself looks up with address "auto" (Ray Train's placement-group cleaner, the
+    state API) finds this instance instead of failing on "multiple active Ray instances". Quiet (clipstream.console),
+    the workers' output stays in their log files under that temp dir instead of being forwarded here."""
     if ray.is_initialized():
         return
     ray.data.DataContext.get_current().enable_progress_bars = False
+    forward = not console.is_quiet()
     if settings.ray_address:
-        ray.init(address=settings.ray_address, log_to_driver=True)
-    else:  # the hook lets `clipstream serve` choose the gRPC port's interface and TLS (clipstream.services.binding)
-        ray.init(num_cpus=num_cpus or os.cpu_count(), log_to_driver=True, configure_logging=False,
-                 runtime_env={"worker_process_setup_hook": "clipstream.services.binding.install"})
+        ray.init(address=settings.ray_address, log_to_driver=forward)
+        return
+    port = _free_port()
+    # short and of its own: Ray's unix sockets live under it, and a socket path may not pass 107 bytes
+    temp = tempfile.mkdtemp(prefix="clipstream-ray-", dir="/tmp" if Path("/tmp").is_dir() else None)
+    before = os.environ.get(GCS_PORT)
+    os.environ[GCS_PORT] = str(port)  # (read by the head node Ray starts now; ray.init has no argument for it)
+    try:  # the hook lets `clipstream serve` choose the gRPC port's interface and TLS (clipstream.services.binding)
+        ray.init(num_cpus=num_cpus or os.cpu_count(), log_to_driver=forward, configure_logging=False,
+                 _temp_dir=temp,
+                 runtime_env={"worker_process_setup_hook": "clipstream.services.binding.install",
+                              "env_vars": {"RAY_ADDRESS": f"127.0.0.1:{port}"}})
+    except Exception as exc:
+        raise RayStartError(f"could not start a local Ray instance ({type(exc).__name__}: "
+                            f"{' '.join(str(exc).split())[:300]}); Ray's logs: {temp}/session_latest/logs") from exc
+    finally:
+        if before is None:
+            os.environ.pop(GCS_PORT, None)
+        else:
+            os.environ[GCS_PORT] = before
+    logger.info("local Ray instance at 127.0.0.1:%d, temp dir (worker logs) %s", port, temp)
+
+
+GCS_PORT = "RAY_GCS_SERVER_PORT"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _share(path, dest: Path) -> Optional[str]:

@@ -18,6 +18,7 @@ def test_index_policy_report_has_each_policy_per_task_and_their_mean(tmp_path):
     assert "| no-reindex | mean | 21.0 | 21.0 | 21.0 | 21.0 |" in text  # (20 + 21 + 22) / 3
     unknown = text.split("## Task-unknown")[1]
     assert "| no-reindex | mean | 31.0 |" in unknown and "| reindex | t2 | 42.0 |" in unknown
+    assert "](ip.png)" in text and (tmp_path / "ip.png").read_bytes()[:4] == b"\x89PNG"  # the plot beside it
 
 
 def test_the_cost_table_shows_what_keeping_image_vectors_saved_on_a_language_stream(tmp_path):

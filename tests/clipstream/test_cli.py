@@ -215,3 +215,79 @@ def test_every_option_has_help_that_names_its_default_and_the_main_verbs_show_ex
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("clipstream 0.") and "ray 2." in out and "open_clip 3." in out
+
+
+@pytest.mark.slow
+@pytest.mark.stream("ewc_modx_ctp_er", 2)
+def test_ui_serves_every_versions_run_with_its_heatmap_recall_curve_and_loss_curves(trained_stream, tmp_path):
+    """`clipstream ui` starts MLflow's UI on the stream's store and prints its URL; through MLflow's REST API
+    (what the UI's pages read) each trained version's run lists its plots; SIGTERM stops the server too."""
+    import json
+    import os
+    import re
+    import urllib.request
+
+    settings, _ = trained_stream("ewc_modx_ctp_er", 2)
+    ui = subprocess.Popen([sys.executable, "-m", "clipstream.cli", "ui"], stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True, env={**os.environ, **settings.env()}, cwd=tmp_path,
+                          start_new_session=True)
+    try:
+        line = ui.stdout.readline()  # (the command gives up after --timeout, closing stdout)
+        found = re.search(r"http://127\.0\.0\.1:\d+", line)
+        assert found, f"no URL in {line!r}"
+        url = found.group(0)
+
+        def get(path: str):
+            with urllib.request.urlopen(url + path, timeout=30) as answer:
+                return answer.read()
+
+        for version in ("1", "2", "3"):
+            run = json.loads(get(f"/api/2.0/mlflow/model-versions/get?name={settings.stream}&version={version}"))
+            run_id = run["model_version"]["run_id"]
+            files = [f["path"] for f in json.loads(get(f"/api/2.0/mlflow/artifacts/list?run_id={run_id}&path=plots"))["files"]]
+            for kind in ("known", "unknown", "known-recall", "unknown-recall", "loss"):
+                assert any(f.endswith(f"-{kind}.png") for f in files), f"version {version}: no {kind} plot in {files}"
+            image = get(f"/get-artifact?path={next(f for f in files if f.endswith('-loss.png'))}&run_uuid={run_id}")
+            assert image[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        ui.terminate()  # SIGTERM: the command stops the server's process group, then exits
+        assert ui.wait(timeout=60) == 0
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url + "/health", timeout=5)
+
+
+@pytest.mark.slow
+def test_train_is_quiet_beside_another_ray_and_leaves_nothing_behind(ray_cluster, stream, tmp_path):
+    """Quiet by default: a task's job prints clipstream's lines only (its progress bar and tables; Ray's, Ray
+    Data's and DeepSpeed's logs in the log file it names); its own local Ray runs beside this session's without
+    joining it or disturbing it; nothing prints after its last line and no process outlives it."""
+    import os
+    import time
+
+    from clipstream.benchmarks.first_run import left_behind
+
+    home = tmp_path / "home"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("CLIPSTREAM_", "RAY_"))},
+           "CLIPSTREAM_HOME": str(home)}
+    done = subprocess.run([sys.executable, "-m", "clipstream.cli", "train", "--task", str(stream[0]), "--workers", "1",
+                           "--set", "train.epochs=1", "--set", "train.micro_batch=16", "--set", "train.log_every=2"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, check=False, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = done.stdout.splitlines() + [line for line in done.stderr.replace("\r", "\n").splitlines()
+                                          if line.strip() and not line.startswith("clipstream: Ray, DeepSpeed and MLflow log to")]
+    log = next((home / "logs").glob("train-*.log"))
+    assert f"clipstream: Ray, DeepSpeed and MLflow log to {log}" in done.stderr
+    assert "registered version 1 (alias candidate)" in done.stdout
+    assert done.stdout.rstrip().splitlines()[-1].startswith("heatmap: ")  # the command's last line is its last
+    for noise in ("Reporting training result", "DeepSpeed", "ray.data", "Started a local Ray instance", "Traceback",
+                  "multiple active Ray instances", "WARNING"):
+        assert not any(noise in line for line in printed), f"{noise!r} printed: {[l for l in printed if noise in l]}"
+    assert len(done.stdout.splitlines()) < 40, done.stdout
+    print(done.stdout, done.stderr)  # (shown with -s: what a user sees)
+    logged = log.read_text(errors="replace")
+    assert "Setting accelerator to CPU" in logged  # DeepSpeed's own line (a logger bound to stdout) went to the file
+    assert "multiple active Ray instances" not in logged
+    time.sleep(2)  # (a process that outlives its parent by a moment is still one left behind)
+    assert left_behind(f"CLIPSTREAM_HOME={home}\0") == []
+    # this session's Ray, running all along, was neither joined nor disturbed
+    assert ray_cluster.get(ray_cluster.remote(lambda: 41 + 1).remote()) == 42

@@ -430,3 +430,8 @@ def test_each_version_embeds_each_gallery_once_and_the_next_job_reuses_its_paren
     expected = diagnostics.spatial_disorder(old.img, old.txt, new.img, new.txt)
     logged = registry.run_metrics(runs[1])
     assert {k: logged[k] for k in expected} == pytest.approx(expected, abs=1e-6, nan_ok=True)
+
+
+def test_curves_draw_each_tasks_rm_from_the_task_that_brought_it(tmp_path):
+    path = matrix().curves(tmp_path / "plots" / "recall.png", title="test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000

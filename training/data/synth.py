@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 from PIL import Image, ImageDraw
-from tqdm import tqdm
+
+from clipstream import console
 
 P9D_SHARES = (0.217, 0.233, 0.040, 0.037, 0.067, 0.085, 0.090, 0.098, 0.132)  # task-size shares of P9D (CTP's dataset table)
 
@@ -297,7 +298,7 @@ def _languages(n: int, classes: tuple, seed: int) -> list[_Language]:
     return langs
 
 
-def _write_task(tdir: Path, meta: dict, splits: dict, bar: tqdm, lang: _Language | None = None) -> None:
+def _write_task(tdir: Path, meta: dict, splits: dict, bar, lang: _Language | None = None) -> None:
     """Write a task's manifest, images and rows; with `lang`, the pairs' English captions are said in it."""
     tdir.mkdir(parents=True)
     (tdir / "task.yaml").write_text(yaml.safe_dump(meta, sort_keys=False), encoding="utf-8")
@@ -349,7 +350,7 @@ def synthesize(out: str | Path, tasks: int = 4, seed: int = 0, *, image_size: in
     total = int(sizes.sum()) + n_digits + (tasks + digits + held_out) * test_per_task
 
     dirs = []
-    with tqdm(total=total, desc="synth", unit="pair", disable=not progress) as bar:
+    with console.bar(total=total, desc="synth", unit="pair", disable=not progress) as bar:
         for i in range(tasks):
             base = list(DOMAINS)[i % len(DOMAINS)]
             suffix = str(i // len(DOMAINS) + 1) if i >= len(DOMAINS) else ""
@@ -412,7 +413,7 @@ def synthesize_languages(out: str | Path, languages: int, seed: int = 0, *, imag
     name, classes = next(iter(DOMAINS.items()))
 
     dirs = []
-    with tqdm(total=languages * (train_pairs + test_per_task), desc="synth", unit="pair", disable=not progress) as bar:
+    with console.bar(total=languages * (train_pairs + test_per_task), desc="synth", unit="pair", disable=not progress) as bar:
         pairs = {split: list(gen) for split, gen in  # drawn once: every language shows the same pixels
                  _domain_task(name, classes, 0, train_pairs, test_per_task, seed, image_size).items()}
         for i, lang in enumerate(_languages(languages, classes, seed)):

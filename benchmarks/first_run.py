@@ -1,0 +1,108 @@
+"""First run: `clipstream demo` as a new user sees it — its wall time, the lines it prints, how it ends, and
+whether any process outlives it.
+
+    clipstream bench first-run [--tasks 3] [--out benchmarks/results/first-run.md]
+
+Runs the demo (`make demo` without its set-up, which a clean clone pays once: see README) in a process of its own
+with a new HOME (an empty registry, index and Ray temp dir) and a terminal's view of its output: a progress bar
+redrawn with carriage returns counts as the line it leaves, so "lines" is what stays on the screen. Afterwards it
+looks for processes that still carry the demo's HOME in their environment (every process the demo starts inherits
+it). Targets (issue 16): fewer than 80 lines, the searches last, nothing left running. The test suite's time is
+what `.ci/run` measures on a clean clone (`time make test`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+from clipstream.benchmarks import report
+
+MOST_LINES = 80
+
+
+def screen(text: str) -> list[str]:
+    """The lines a terminal keeps of `text`: what follows a carriage return overwrites its line (tqdm's redraws),
+    and a line left empty by a bar that cleared itself is gone."""
+    lines = []
+    for raw in text.split("\n"):
+        kept = raw.rsplit("\r", 1)[-1] if "\r" in raw.rstrip("\r") else raw.rstrip("\r")
+        lines.append(kept.replace("\x1b[A", "").rstrip())
+    while lines and not lines[-1]:
+        lines.pop()
+    return [line for i, line in enumerate(lines) if line or (0 < i and lines[i - 1])]  # one blank line kept
+
+
+def left_behind(marker: str) -> list[str]:
+    """`pid command` of this user's processes whose environment holds `marker`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if marker.encode() in (proc / "environ").read_bytes():
+                    command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                    found.append(f"{proc.name} {command[:120]}")
+            except OSError:
+                continue
+    return found
+
+
+def run_demo(tasks: int, root: Path) -> dict:
+    home = root / "home"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("CLIPSTREAM_", "RAY_"))},
+           "CLIPSTREAM_HOME": str(home), "COLUMNS": "120"}
+    tic = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "clipstream.cli", "demo", "--tasks", str(tasks)], env=env,
+                          cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
+    seconds = time.perf_counter() - tic
+    time.sleep(2)  # a process that outlives the demo by a moment is one left behind all the same
+    text = done.stdout.decode(errors="replace")
+    return {"rc": done.returncode, "seconds": seconds, "lines": screen(text),
+            "left": left_behind(f"CLIPSTREAM_HOME={home}\0")}
+
+
+def first_run_report(result: dict, tasks: int, out: Path, command: str, device: str) -> str:
+    lines = result["lines"]
+    searches_last = any(line.startswith("query ") for line in lines[-12:]) and lines[-1].lstrip()[:2].strip().isdigit()
+    body = [
+        "# First run: `clipstream demo` as a new user sees it", "",
+        f"Reproduce: `{command}`", "",
+        f"Device: {device}. The demo: {tasks} synthetic domain tasks + the digits task, finetune, 2 Ray Train workers "
+        "with DeepSpeed, then promotion, indexing, Ray Serve and gRPC searches; a new HOME. Lines = what stays on "
+        "a terminal (a progress bar counts as the line it leaves).", "",
+        *report.table(["exit", "wall time", "lines printed", "ends with the searches", "processes left"],
+                      [[result["rc"], f"{result['seconds'] / 60:.1f} min", len(lines), "yes" if searches_last else "no",
+                        len(result["left"])]]),
+        "", "What it printed:", "", "```", *lines, "```", "",
+    ]
+    if result["left"]:
+        body += ["Left running:", "", "```", *result["left"], "```", ""]
+    found = [report.check("lines printed", len(lines), at_most=MOST_LINES - 1, fmt="{:.0f}"),
+             report.check("processes left behind", len(result["left"]), at_most=0, fmt="{:.0f}"),
+             report.check("ends with the searches (1 = yes)", float(searches_last), at_least=1, fmt="{:.0f}"),
+             report.check("exit status", result["rc"], at_most=0, fmt="{:.0f}")]
+    body += report.targets(out, found)
+    return report.write(out, body)
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--tasks", type=int, default=3, help="domain tasks of the demo (the digits task is added)")
+    p.add_argument("--out", default=str(report.RESULTS / "first-run.md"))
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="first-run-") as tmp:
+        result = run_demo(args.tasks, Path(tmp))
+    command = f"clipstream bench first-run --tasks {args.tasks} --out {args.out}"
+    text = first_run_report(result, args.tasks, Path(args.out), command, report.device())
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

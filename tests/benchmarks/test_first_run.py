@@ -1,0 +1,23 @@
+"""`clipstream bench first-run`: a terminal's view of the demo's output, and the report's verdicts."""
+
+import json
+
+from clipstream.benchmarks import first_run as bench
+
+
+def test_a_terminal_keeps_what_a_progress_bar_leaves_and_one_blank_line():
+    printed = "== training\ntrain t0:  10%|#\rtrain t0:  90%|#########\r          \rtask 1/4 t0 version 1\n\n\n\nquery 'a'\n 1 0.9 t0\n\n"
+    assert bench.screen(printed) == ["== training", "task 1/4 t0 version 1", "", "query 'a'", " 1 0.9 t0"]
+
+
+def test_the_report_checks_lines_processes_and_that_the_searches_come_last(tmp_path):
+    ok = {"rc": 0, "seconds": 300.0, "lines": ["== a", "query 'x', task-unknown", " #  score", " 1  0.9 t0"], "left": []}
+    text = bench.first_run_report(ok, 3, tmp_path / "first-run.md", "cmd", "CPU")
+    assert "| 0 | 5.0 min | 4 | yes | 0 |" in text
+    assert all(c["ok"] for c in json.loads((tmp_path / "first-run.json").read_text())["checks"])
+    noisy = dict(ok, lines=[f"(ray) line {i}" for i in range(100)] + ok["lines"] + ["Reporting training result"],
+                 left=["123 raylet"])
+    bench.first_run_report(noisy, 3, tmp_path / "noisy.md", "cmd", "CPU")
+    verdicts = {c["check"]: c["ok"] for c in json.loads((tmp_path / "noisy.json").read_text())["checks"]}
+    assert verdicts == {"lines printed": False, "processes left behind": False,
+                        "ends with the searches (1 = yes)": False, "exit status": True}
