@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from clipstream.benchmarks import first_run as bench
 
 
@@ -21,3 +23,18 @@ def test_the_report_checks_lines_processes_and_that_the_searches_come_last(tmp_p
     verdicts = {c["check"]: c["ok"] for c in json.loads((tmp_path / "noisy.json").read_text())["checks"]}
     assert verdicts == {"lines printed": False, "processes left behind": False,
                         "ends with the searches (1 = yes)": False, "exit status": True}
+
+
+@pytest.mark.slow
+def test_the_demo_is_quiet_ends_with_its_searches_and_leaves_no_process(tmp_path):
+    """The first run a newcomer makes, shortened (one domain task + digits, one epoch): fewer than 80 lines on the
+    terminal, the searches last, every process it started gone (`clipstream bench first-run` times the full one)."""
+    result = bench.run_demo(1, tmp_path, ["--set", "train.epochs=1"])
+    shown = "\n".join(result["lines"])
+    assert result["rc"] == 0, shown[-3000:]
+    assert len(result["lines"]) < bench.MOST_LINES, shown
+    assert bench.searches_last(result["lines"]), shown[-2000:]
+    assert result["left"] == []
+    for noise in ("Reporting training result", "(RayTrainWorker", "DeepSpeed info", "Traceback", "WARNING"):
+        assert noise not in shown
+    assert sum(line.startswith("task ") and " version " in line for line in result["lines"]) == 2  # a line per task
