@@ -15,8 +15,8 @@ nothing: the output stays where the caller collects it.
 
 from __future__ import annotations
 
+import functools
 import io
-import logging
 import os
 import sys
 import time
@@ -44,13 +44,28 @@ def _real(stream) -> bool:
 
 
 class _Terminal(io.TextIOWrapper):
-    """`sys.stdout` while quiet: prints reach the terminal, but a logging handler that was given sys.stdout when it
-    was made (DeepSpeed's logs to stdout, from whatever process imports it) writes into the log file."""
+    """`sys.stdout` while quiet: clipstream's own prints (and a script's, `__main__`) reach the terminal; what any
+    other module writes there goes into the log file: a logging handler given sys.stdout when it was made
+    (DeepSpeed's), Ray's driver printing what its raylet reports (`(raylet) Task ... failed`)."""
 
     def write(self, text: str) -> int:
-        if sys._getframe(1).f_code.co_filename == logging.__file__:  # a handler's emit()
-            return sys.stderr.write(text)  # (descriptor 2: the log file)
-        return super().write(text)
+        caller = sys._getframe(1)
+        if caller.f_globals.get("__name__") == "__main__" or caller.f_code.co_filename.startswith(_own_folders()):
+            return super().write(text)
+        return sys.stderr.write(text)  # (descriptor 2: the log file)
+
+
+@functools.cache
+def _own_folders() -> tuple[str, ...]:
+    """The folders of clipstream's packages (the repository's clipstream/, training/, services/, benchmarks/ in an
+    editable install), each ending in a separator."""
+    from importlib.util import find_spec
+
+    found = []
+    for name in ("clipstream", "clipstream.training", "clipstream.services", "clipstream.benchmarks"):
+        spec = find_spec(name)
+        found += [os.path.join(folder, "") for folder in (spec.submodule_search_locations or [])] if spec else []
+    return tuple(found)
 
 
 def quiet(folder: Path, name: str) -> Path | None:

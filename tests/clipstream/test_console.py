@@ -19,6 +19,7 @@ stdout_logger.addHandler(logging.StreamHandler(sys.stdout))
 stdout_logger.warning("a library's log line to stdout")
 logging.getLogger("like-ray").warning("a library's log line to stderr")
 warnings.warn("a library's warning")
+exec(compile('print("a library print")', "/site-packages/ray/_private/worker.py", "exec"), {"__name__": "ray.worker"})
 os.write(2, b"a C++ line on descriptor 2\\n")
 os.write(1, b"a C++ line on descriptor 1\\n")
 subprocess.run(["sh", "-c", "echo a child line; echo its error >&2"], check=True)
@@ -35,7 +36,7 @@ def test_quiet_keeps_the_terminal_for_clipstreams_lines_and_sends_the_rest_to_th
     assert done.stderr == "a bar or an error\n"
     log = (tmp_path / "logs" / out[1].rsplit("/", 1)[-1]).read_text()
     assert out[1].startswith(str(tmp_path / "logs" / "cmd-"))
-    for line in ("a library's log line to stdout", "a library's log line to stderr", "a library's warning",
+    for line in ("a library print", "a library's log line to stdout", "a library's log line to stderr", "a library's warning",
                  "a C++ line on descriptor 2", "a C++ line on descriptor 1", "a child line", "its error"):
         assert line in log, line
 
