@@ -15,11 +15,16 @@ IMAGE ?= ghcr.io/clipstream/clipstream
 
 setup: $(STAMP) $(STUBS) $(K8S_TOOLS)
 
+# Set-up runs without echoing its commands (one line says what is happening): `make demo` on a clean clone should
+# read as the demo, not as the installer's command lines.
+.SILENT: $(STAMP) $(STUBS) $(K8S_TOOLS)
+
 # Installed with uv: the same packages as pip in half the time (~1.5 min instead of ~3 on a clean clone).
 # --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set (this machine), a venv without .pyc
 # files compiles every module on every import, and the tests ran 2.5x slower. torch first; DeepSpeed
 # imports torch while it builds, so no build isolation.
 $(STAMP): pyproject.toml
+	echo "setting up $(VENV): torch, DeepSpeed, clipstream and the test tools (the first time only, ~3 minutes)"
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q "uv>=0.9,<1"
 	$(UV_INSTALL) -q "torch==2.14.1" "torchvision==0.29.1"
