@@ -697,7 +697,10 @@ def _quiet(command: str) -> None:
     import tempfile
 
     try:
-        folder = Settings().home / "logs"
+        settings = Settings()
+        if settings.ray_address:  # the driver of a job on a cluster (a RayJob): its output is the job's log
+            return
+        folder = settings.home / "logs"
     except Exception:  # (bad settings are reported by the command itself, in one line)
         folder = Path(tempfile.gettempdir())
     path = console.quiet(folder, command)
