@@ -24,7 +24,7 @@ setup: $(STAMP) $(STUBS) $(K8S_TOOLS)
 # files compiles every module on every import, and the tests ran 2.5x slower. torch first; DeepSpeed
 # imports torch while it builds, so no build isolation.
 $(STAMP): pyproject.toml
-	echo "setting up $(VENV): torch, DeepSpeed, clipstream and the test tools (the first time only, ~3 minutes)"
+	echo "setting up $(VENV): torch, DeepSpeed, clipstream and the test tools (the first time only, ~1.5 minutes)"
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q "uv>=0.9,<1"
 	$(UV_INSTALL) -q "torch==2.14.1" "torchvision==0.29.1"
