@@ -6,10 +6,12 @@ The methods table (`clipstream bench methods`) times the step inside task jobs, 
 two cores with Ray Data's tasks, and a method's step varies by ±15% from task to task. Here every
 method runs the engine's own step (`clipstream.training.engine.train_step`) on its own DeepSpeed engine with one
 thread, as one of the job's workers does, in the state of a second task: its first task's state
-(importances, replay buffer, queues) in place and θ(t−1) as the teacher. The methods take turns for
-`--rounds` rounds; each method's median over rounds of its mean step is compared with finetune's.
-(Replay and joint add rows, not step work: their step is finetune's.) Writes
-benchmarks/results/method-step.md.
+(importances, replay buffer, queues) in place and θ(t−1) as the teacher. The methods take turns step by step
+(`--rounds` × `--steps` cycles, each cycle one step of every method, starting one method later each time), and a
+method's cost is the median over cycles of its step ÷ finetune's step in the same cycle: a ratio of two steps taken
+a second or two apart, which the machine's drift over a run (±10% on 2 shared cores) barely touches; when each method
+ran its steps in one block, EWC measured 1.02× in one run and 1.16× in the next. (Replay and joint add rows, not
+step work: their step is finetune's.) Writes benchmarks/results/method-step.md.
 """
 
 from __future__ import annotations
@@ -98,12 +100,29 @@ def second_task(name: str, task: Task, data: list[dict], batch: int, workdir: Pa
     return engine, method, ctx, data
 
 
-def timed(engine, method, ctx, data: list[dict], steps: int) -> float:
-    """Mean ms of `steps` steps, cycling over the batches."""
+def timed(engine, method, ctx, data: list[dict], steps: int, first: int = 0) -> float:
+    """Mean ms of `steps` steps from step `first` on, cycling over the batches."""
     tic = time.perf_counter()
-    for i in range(steps):
+    for i in range(first, first + steps):
         train_step(engine, method, ctx, data[i % len(data)])
     return 1000 * (time.perf_counter() - tic) / steps
+
+
+def interleaved(setups: dict, cycles: int, on_cycle=None) -> dict[str, list[float]]:
+    """ms of each method's step in each of `cycles` cycles: one step of every method per cycle, in an order that
+    starts one method later each cycle (no method always runs right after the same one)."""
+    names, times = list(setups), {name: [] for name in setups}
+    for c in range(cycles):
+        for name in names[c % len(names):] + names[:c % len(names)]:
+            times[name].append(timed(*setups[name], 1, first=c))
+        if on_cycle:
+            on_cycle(c, times)
+    return times
+
+
+def paired_ratio(times: list[float], base: list[float]) -> float:
+    """The median over cycles of a step ÷ the baseline's step in the same cycle."""
+    return statistics.median(t / b for t, b in zip(times, base))
 
 
 def _free_port() -> int:
@@ -155,6 +174,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     if "finetune" not in names:
         parser.error("--methods must include finetune, the baseline")
     torch.set_num_threads(args.threads)
+    models.keep_freed_memory()  # as a job's worker does (training/engine.py)
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port())})
     deepspeed.init_distributed(dist_backend="gloo")
@@ -168,18 +188,21 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
             print(f"[setup] {name}: a first task, then the second task's state", flush=True)
             setups[name] = second_task(name, task, data, args.batch, Path(tmp) / "models")
             timed(*setups[name], 2)  # warm-up
-        per_round = {name: [] for name in names}
-        for r in range(args.rounds):
-            for name in names:
-                per_round[name].append(timed(*setups[name], args.steps))
-            print(f"[round {r + 1}/{args.rounds}] " + " ".join(f"{n}={per_round[n][-1]:.0f}ms" for n in names), flush=True)
+        def on_cycle(c, times):
+            if (c + 1) % args.steps == 0:
+                print(f"[round {(c + 1) // args.steps}/{args.rounds}] " + " ".join(
+                    f"{n}={statistics.mean(times[n][-args.steps:]):.0f}ms" for n in names), flush=True)
+
+        times = interleaved(setups, args.rounds * args.steps, on_cycle)
 
         profiled = {name: profile(*setups[name], args.steps) for name in filter(None, args.profile.split(","))}
         profiled = {"finetune": profile(*setups["finetune"], args.steps), **profiled} if profiled else {}
 
-    median = {name: statistics.median(v) for name, v in per_round.items()}
-    base = median["finetune"]
-    checks = [report.check(f"{name} step ×finetune", median[name] / base, at_most=TARGETS[name], why=WHY.get(name, ""))
+    median = {name: statistics.median(v) for name, v in times.items()}
+    ratio = {name: paired_ratio(times[name], times["finetune"]) for name in names}
+    per_round = {name: [statistics.mean(v[r * args.steps:(r + 1) * args.steps]) for r in range(args.rounds)]
+                 for name, v in times.items()}
+    checks = [report.check(f"{name} step ×finetune", ratio[name], at_most=TARGETS[name], why=WHY.get(name, ""))
               for name in names if name in TARGETS]
     text = report.write(args.out, [
         "# Training step per method, side by side",
@@ -188,11 +211,12 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
         f"--rounds {args.rounds} --batch {args.batch} --threads {args.threads}`",
         "",
         f"Device: {report.device(f'{args.threads} torch thread(s)')}. Model `{arch}`, micro batch {args.batch}, one "
-        "DeepSpeed engine per method, each in the state of its second task; the median over rounds of each method's "
-        "mean step.",
+        "DeepSpeed engine per method, each in the state of its second task; the methods take turns step by step. "
+        "step ms: the median of a method's steps; ×finetune: the median over cycles of its step ÷ finetune's in the "
+        "same cycle; rounds: the mean step of each round's cycles.",
         "",
         *report.table(["method", "step ms", "×finetune", "rounds (ms)"],
-                      [[name, median[name], f"{median[name] / base:.2f}", ", ".join(f"{v:.0f}" for v in per_round[name])]
+                      [[name, median[name], f"{ratio[name]:.2f}", ", ".join(f"{v:.0f}" for v in per_round[name])]
                        for name in names]),
         "",
         *(phases(profiled, args.steps) if profiled else []),

@@ -31,6 +31,7 @@ BLOCK_ROWS = 256  # rows per task of the embedding job: enough tasks to keep eve
 
 @functools.lru_cache(maxsize=2)
 def _cached_bundle(folder: str, stamp: tuple) -> models.ClipBundle:
+    models.keep_freed_memory()  # a process that embeds block after block
     return models.load_exported(folder)
 
 

@@ -29,7 +29,7 @@ import torch
 from PIL import UnidentifiedImageError
 from ray import serve
 
-from clipstream.models import load_image
+from clipstream.models import keep_freed_memory, load_image
 from clipstream.registry import Registry, RegistryError
 from clipstream.services.client import API_KEY_HEADER
 from clipstream.v1 import admin_pb2, encoder_pb2, search_pb2
@@ -79,6 +79,7 @@ class Encoder:
         self.search = search
         self.registry = Registry(settings, alias_ttl_s)
         torch.set_num_threads(max(1, int(settings.serve_encoder_cpus)))  # Ray pins 1 thread to a fractional reservation
+        keep_freed_memory()  # every batch re-allocates what the last one freed
         self.settings = settings
         self._entries: dict = {}  # version -> its registry entry (languages, tokenizer), read once
         self.batches_seen: list[int] = []  # sizes of recent batches: shows batching at work (tests, debugging)

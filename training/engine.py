@@ -119,6 +119,7 @@ def train_loop(config: dict) -> None:
     torch.manual_seed(train["seed"] + rank)
     if not torch.cuda.is_available():  # Ray pins OMP_NUM_THREADS to the worker's fractional CPU share: 1
         torch.set_num_threads(config["threads_per_worker"])
+    models.keep_freed_memory()  # every step re-allocates what the last one freed
 
     bundle = models.create(config["model"]["arch"], config["model_source"])
     method = methods.build(config)

@@ -28,3 +28,13 @@ def test_the_profile_table_puts_phases_in_step_order_and_marks_what_a_method_doe
                           "ctp": {"step: forward": 10.0, "momentum forward": 9.5, "step: backward": 21.0}}, 5)
     assert lines[2:7] == ["| phase | finetune | ctp |", "|---|---|---|", "| step: forward | 10.0 | 10.0 |",
                           "|   momentum forward | – | 9.5 |", "| step: backward | 20.0 | 21.0 |"]
+
+
+def test_methods_take_turns_each_cycle_starting_one_later_and_ratios_pair_steps_of_one_cycle(monkeypatch):
+    order = []  # (cycle, method) as `timed` is asked for one step of it
+    monkeypatch.setattr(bench, "timed", lambda name, *rest, first=0: order.append((first, name)) or 1.0)
+    times = bench.interleaved({n: (n,) for n in ("a", "b", "c")}, 4)
+    assert order == [(c, n) for c, names in enumerate(["abc", "bca", "cab", "abc"]) for n in names]
+    assert times == {n: [1.0] * 4 for n in "abc"}
+    # the machine slows down 2x halfway through: each cycle's pair still says 1.1x
+    assert bench.paired_ratio([110, 110, 220, 220], [100, 100, 200, 200]) == 1.1

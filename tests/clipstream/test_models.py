@@ -1,6 +1,8 @@
 """The model bundle: models by name, exports that stock open_clip loads, and the one embed path."""
 
 import io
+import subprocess
+import sys
 
 import numpy as np
 import open_clip
@@ -182,3 +184,31 @@ def test_empty_and_one_pixel_images():
     buf = io.BytesIO()
     Image.new("RGB", (1, 1), "red").save(buf, "PNG")
     assert models.load_image(buf.getvalue()).getpixel((0, 0)) == (255, 0, 0)
+
+
+FAULTS = """
+import resource, sys, torch
+from clipstream import models
+if sys.argv[1] == "keep":
+    assert models.keep_freed_memory()
+
+def step():  # what a step does to memory: allocate 64 MB in 32 blocks, touch them, free them all
+    blocks = [torch.empty(512 << 10).fill_(1) for _ in range(32)]
+    del blocks
+
+step()  # a first step: glibc raises its thresholds after a first free on its own, to the largest block freed
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+def test_keep_freed_memory_stops_every_step_faulting_its_memory_in_again():
+    """By default glibc trims the 64 MB a step freed from the heap's top (more than twice the largest block is free
+    there), so each of 10 steps faults its 16k pages in again; kept, the next step reuses them (a few faults)."""
+    faults = {mode: int(subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True,
+                                       check=True).stdout) for mode in ("default", "keep")}
+    assert faults["default"] > 10 * 16384 * 0.9, faults
+    assert faults["keep"] < 1000, faults

@@ -52,7 +52,7 @@ class Importance(Method):
         self.task_end_batches = int(params.get("batches", 8))
         self.importance: dict[str, torch.Tensor] = {}
         self.tasks = 0
-        self._flat = None  # (live parameters, √(weight·Ω), θ*) for this task, on the device
+        self._flat = None  # (live parameters, rows pulled, √(weight·Ω), θ*) for this task, on the device
 
     def before_task(self, ctx):
         self._flat = None
@@ -61,13 +61,30 @@ class Importance(Method):
         if not self.importance or ctx.teacher is None:
             return {}
         if self._flat is None:
-            live, anchor = trainable(ctx.model), dict(ctx.teacher.named_parameters())
-            names = [n for n in live if n in self.importance]
-            self._flat = ([live[n] for n in names],
-                          [(self.params["weight"] * self.importance[n].float()).sqrt().to(ctx.device) for n in names],
-                          [anchor[n].detach().float() for n in names])
-        params, scale, anchor = self._flat
+            self._flat = self._pulled(trainable(ctx.model), dict(ctx.teacher.named_parameters()), ctx.device)
+        live, rows, scale, anchor = self._flat
+        params = [p if r is None else p.index_select(0, r) for p, r in zip(live, rows)]
         return {"penalty": QuadraticPull.apply(scale, anchor, *params)}
+
+    def _pulled(self, live: dict, anchor: dict, device) -> tuple:
+        """Per parameter the pull needs: the live tensor, the rows it reaches (None: all), √(weight·Ω) and θ* there.
+
+        A row whose importance is zero everywhere adds nothing to the penalty or its gradient: the token embedding's
+        rows of tokens the measuring batches never held (most of a 49k vocabulary; on the tiny models 87% of all
+        parameters). Those tensors are pulled through their nonzero rows alone (index_select: its backward scatters
+        into the full gradient), which cut EWC's extra step time by more than half (benchmarks: method-step)."""
+        names, rows, scale, theta = [n for n in live if n in self.importance], [], [], []
+        for n in names:
+            omega, reach = self.importance[n].float(), None
+            if omega.dim() and omega.shape[0] > 1:
+                nonzero = omega.reshape(omega.shape[0], -1).ne(0).any(dim=1).nonzero().squeeze(1)
+                if len(nonzero) <= omega.shape[0] // 2:
+                    reach, omega = nonzero, omega.index_select(0, nonzero)
+            rows.append(None if reach is None else reach.to(device))
+            scale.append((self.params["weight"] * omega).sqrt().to(device))
+            t = anchor[n].detach().float()
+            theta.append(t if reach is None else t.index_select(0, reach.to(t.device)))
+        return [live[n] for n in names], rows, scale, theta
 
     def after_task(self, ctx: TaskContext, batches: list[dict]) -> None:
         params = trainable(ctx.model)

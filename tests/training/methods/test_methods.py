@@ -264,6 +264,10 @@ def test_the_penalty_and_its_closed_form_gradient_equal_the_quadratic_through_au
     theirs = torch.autograd.grad(upstream * reference, params)
     assert float(penalty) > 0 and torch.allclose(penalty, reference, rtol=1e-5)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-9) for a, b in zip(ours, theirs))
+    # the token embedding is pulled through the rows of the tokens the measuring batch held, the rest weigh zero
+    live, rows, *_ = method._flat
+    embedding = next(r for p, r in zip(live, rows) if p is model.token_embedding.weight)
+    assert 0 < len(embedding) and set(embedding.tolist()) <= set(batch["text"].flatten().tolist())
 
 
 def test_mas_measures_the_pre_normalisation_features(pair):
