@@ -30,12 +30,10 @@ and task-unknown. Writes benchmarks/results/search.md and search.png (latency ag
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -94,13 +92,13 @@ def synthetic_gallery(n: int, tasks: int, dim: int, kind: str = "clustered", see
     return gallery
 
 
-def build(root: Path, gallery: list, name: str = "bench", layout: str = "reindex"):
+def build(root: Path, gallery: list, name: str = "bench", layout: str = "reindex", hnsw_ef: int = 0):
     """An EdgeIndex at root holding `gallery`: one reindex (layout "reindex": one segment per modality for every
-    task) or every task appended in turn ("append": one segment per task and modality);
-    (index, seconds, seconds of each append)."""
+    task) or every task appended in turn ("append": one segment per task and modality), its segments searched with
+    `hnsw_ef` (0: the index's rule); (index, seconds, seconds of each append)."""
     from clipstream.index import EdgeIndex
 
-    index, appends = EdgeIndex(root, name=name), []
+    index, appends = EdgeIndex(root, name=name, hnsw_ef=hnsw_ef), []
     if layout == "reindex":
         tic = time.perf_counter()
         index.reindex(gallery)
@@ -160,13 +158,13 @@ def summary(cell: dict) -> dict:
 
 
 def run_size(n: int, tasks: int, dim: int, count: int, kind: str, root: Path, name: str = "bench",
-             version: str = "1", layout: str = "reindex") -> list[dict]:
+             version: str = "1", layout: str = "reindex", hnsw_ef: int = 0) -> list[dict]:
     """Build a gallery of n stored vectors (n/2 pairs) under root, measure it, drop the vectors (the index stays on disk): one result
     {"n", "kind", "layout", "tasks", "build_s", "appends_s", "load", mode: summary}; for layout "append" a second
     one, measured once more after `compact` merged the appended segments (layout "compacted", its "build_s" the
     compaction's seconds)."""
     gallery = synthetic_gallery(n // 2, tasks, dim, kind, version=version)
-    index, seconds, appends = build(root, gallery, name, layout)
+    index, seconds, appends = build(root, gallery, name, layout, hnsw_ef)
     queries, results = queries_for(gallery, count), []
     try:
         for step in [layout] + (["compacted"] if layout == "append" else []):
@@ -258,20 +256,6 @@ def _built(r: dict) -> str:
 
 def _size(n: int) -> str:
     return f"{n // 1_000_000}M" if n >= 1_000_000 and n % 1_000_000 == 0 else f"{n // 1000}k" if n % 1000 == 0 else str(n)
-
-
-@contextlib.contextmanager
-def fixed_hnsw_ef(ef: int):
-    """Inside, every HNSW segment this process opens is searched with hnsw_ef `ef` (0: the index's rule)."""
-    from clipstream import index
-
-    saved = index.HNSW_EF, index.HNSW_EF_POINTS
-    if ef:  # the rule is max(HNSW_EF, HNSW_EF x points / HNSW_EF_POINTS): with these, `ef` at any size
-        index.HNSW_EF, index.HNSW_EF_POINTS = ef, sys.maxsize
-    try:
-        yield
-    finally:
-        index.HNSW_EF, index.HNSW_EF_POINTS = saved
 
 
 def search_report(results: list[dict], rpc_result: dict | None, out: Path, command: str, device: str,
@@ -377,20 +361,20 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     threadpool_limits(1)  # exact search on one thread, as Qdrant scans a segment: per-query latency, not throughput
     wall = time.perf_counter()
     results, rpc_result = [], None
-    with tempfile.TemporaryDirectory() as tmp, fixed_hnsw_ef(args.hnsw_ef):
+    with tempfile.TemporaryDirectory() as tmp:
         served = serving(Path(tmp), args.arch) if args.rpc_size in sizes else None
         for n in sizes:  # the RPC's size is indexed where its app reads, under the served version
             where = (served[0].qdrant_path, served[0].stream, served[1]) if served and n == args.rpc_size else \
                 (Path(tmp) / f"clustered-{n}", "bench", "1")
-            results += run_size(n, args.tasks, dim, args.queries, "clustered", *where)
+            results += run_size(n, args.tasks, dim, args.queries, "clustered", *where, hnsw_ef=args.hnsw_ef)
             gc.collect()
         for n in [n for n in sizes if str(n) in args.append_sizes.split(",")]:
             results += run_size(n, args.tasks, dim, args.queries, "clustered", Path(tmp) / f"append-{n}",
-                                layout="append")
+                                layout="append", hnsw_ef=args.hnsw_ef)
             gc.collect()
         if args.uniform_size in sizes:
             results += run_size(args.uniform_size, args.tasks, dim, args.queries, "uniform",
-                                Path(tmp) / f"uniform-{args.uniform_size}")
+                                Path(tmp) / f"uniform-{args.uniform_size}", hnsw_ef=args.hnsw_ef)
             gc.collect()
         if served:
             rpc_result = rpc(*served, args.rpc_size, args.tasks, args.rpc_queries)

@@ -447,11 +447,13 @@ class EdgeIndex(VectorIndex):
     Writers serialise on a flock. A task-unknown search queries every task's segment and merges their top-k.
     """
 
-    def __init__(self, root: str | Path, name: str = "clipstream", lineage: str = "shared"):
+    def __init__(self, root: str | Path, name: str = "clipstream", lineage: str = "shared", hnsw_ef: int = 0):
+        """`hnsw_ef`: the candidate list of every HNSW segment's searches (a recall/latency sweep); 0: the rule,
+        HNSW_EF and more past HNSW_EF_POINTS points."""
         super().__init__(name, lineage)
         import qdrant_edge as qe
 
-        self._qe = qe
+        self._qe, self._hnsw_ef = qe, hnsw_ef
         self._dir = Path(root).absolute() / name / lineage
         self._manifest = self._dir / "manifest.json"
         self._lock = threading.Lock()
@@ -506,7 +508,7 @@ class EdgeIndex(VectorIndex):
             opened = self._shards.get(ref)
         if opened is None:
             shard = self._qe.EdgeShard.load(str(self._dir / ref))
-            ef = max(HNSW_EF, round(HNSW_EF * shard.info().points_count / HNSW_EF_POINTS))
+            ef = self._hnsw_ef or max(HNSW_EF, round(HNSW_EF * shard.info().points_count / HNSW_EF_POINTS))
             with self._lock:
                 opened = self._shards.setdefault(ref, (shard, ef))
         return opened

@@ -75,17 +75,12 @@ def test_the_report_checks_recall_everywhere_and_p99_at_100k_and_1m(tmp_path):
     assert "| vector search p99 ms at 1M, task-known | 25.00 | ≤ 20.00 | **not met** |" in text
 
 
-def test_hnsw_ef_fixes_every_segments_candidate_list_inside_and_restores_the_rule_after(tmp_path):
-    """`--hnsw-ef N` (a recall/latency sweep) searches segments of any size with N, and leaves the index's rule
-    as it was for whatever runs next in the process."""
+def test_hnsw_ef_fixes_every_segments_candidate_list_and_0_keeps_the_rule(tmp_path):
+    """`--hnsw-ef N` (a recall/latency sweep) searches segments of any size with N, below the rule's base too."""
     from clipstream import index as module
 
-    rule = module.HNSW_EF, module.HNSW_EF_POINTS
     gallery = bench.synthetic_gallery(600, 2, 16)
-    with bench.fixed_hnsw_ef(40):
-        index, _, _ = bench.build(tmp_path / "fixed", gallery)
-        assert index._open(index._read()["segments"]["t00"]["image"])[1] == 40  # below the base 256 too
-    assert (module.HNSW_EF, module.HNSW_EF_POINTS) == rule
-    with bench.fixed_hnsw_ef(0):  # 0: the rule
-        index, _, _ = bench.build(tmp_path / "rule", gallery)
-        assert index._open(index._read()["segments"]["t00"]["image"])[1] == module.HNSW_EF
+    index, _, _ = bench.build(tmp_path / "fixed", gallery, hnsw_ef=40)
+    assert index._open(index._read()["segments"]["t00"]["image"])[1] == 40
+    index, _, _ = bench.build(tmp_path / "rule", gallery)
+    assert index._open(index._read()["segments"]["t00"]["image"])[1] == module.HNSW_EF
