@@ -188,6 +188,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
             print(f"[setup] {name}: a first task, then the second task's state", flush=True)
             setups[name] = second_task(name, task, data, args.batch, Path(tmp) / "models")
             timed(*setups[name], 2)  # warm-up
+
         def on_cycle(c, times):
             if (c + 1) % args.steps == 0:
                 print(f"[round {(c + 1) // args.steps}/{args.rounds}] " + " ".join(

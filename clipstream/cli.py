@@ -122,9 +122,8 @@ def _ui(args) -> None:
     """`mlflow ui` on the settings' store, on loopback, until Ctrl-C (or the process is told to stop)."""
     import signal
     import subprocess
-    import urllib.request
 
-    from clipstream.local_cluster import free_port, tool
+    from clipstream.local_cluster import free_port, http_get, tool
 
     settings = Settings()
     uri = settings.mlflow_tracking_uri
@@ -143,16 +142,12 @@ def _ui(args) -> None:
     signal.signal(signal.SIGTERM, stop)
     try:
         deadline = time.monotonic() + args.timeout
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2):
-                    break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"`mlflow ui` did not come up on {url} ("
-                                       f"{'exited ' + str(server.returncode) if server.poll() is not None else 'timed out'}"
-                                       f"; its output is in {console.log_path() or 'the terminal'})") from None
-                time.sleep(0.5)
+        while http_get(f"{url}/health") is None:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"`mlflow ui` did not come up on {url} ("
+                                   f"{'exited ' + str(server.returncode) if server.poll() is not None else 'timed out'}"
+                                   f"; its output is in {console.log_path() or 'the terminal'})")
+            time.sleep(0.5)
         print(f"MLflow UI: {url} (experiment {settings.stream!r}: a run per task with its R-matrix heatmap, recall "
               f"curve and loss curves under Artifacts > plots; registered model {settings.stream!r}). Ctrl-C stops it.",
               flush=True)

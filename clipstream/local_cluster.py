@@ -375,12 +375,12 @@ class LocalCluster:
         self._spawn("mlflow", command, dict(self.base_env))
 
     def _wait(self, timeout_s: float) -> None:
-        self._wait_for(lambda: _get(f"{self.mlflow_uri}/health") is not None, timeout_s, "the MLflow server")
+        self._wait_for(lambda: http_get(f"{self.mlflow_uri}/health") is not None, timeout_s, "the MLflow server")
         self._wait_for(lambda: self._alive_nodes() >= self.nodes, timeout_s, f"{self.nodes} Ray nodes")
 
     def dashboard(self, path: str):
         """The dashboard's JSON answer at `path`, None while it does not answer."""
-        body = _get(self.dashboard_url + path, {"Authorization": f"Bearer {self.token}"})
+        body = http_get(self.dashboard_url + path, {"Authorization": f"Bearer {self.token}"})
         return None if body is None else json.loads(body)
 
     def _alive_nodes(self) -> int:
@@ -399,7 +399,7 @@ class LocalCluster:
             time.sleep(0.5)
 
 
-def _get(url: str, headers: dict | None = None) -> bytes | None:
+def http_get(url: str, headers: dict | None = None) -> bytes | None:
     """The body of a 200 answer to GET `url`; None while nothing (or an error) answers."""
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=5) as response:
