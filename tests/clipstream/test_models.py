@@ -207,8 +207,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
 def test_keep_freed_memory_stops_every_step_faulting_its_memory_in_again():
-    """(Transparent huge pages off in that process, so that faults count 4 KiB pages.) By default glibc trims the 64 MB a step freed from the heap's top (more than twice the largest block is free
-    there), so each of 10 steps faults its 16k pages in again; kept, the next step reuses them (a few faults)."""
+    """By default glibc trims the 64 MB a step freed from the heap's top (more than twice the largest block is free
+    there), so each of 10 steps faults its 16k pages in again; kept, the next step reuses them (a few faults).
+    Transparent huge pages are off in that process: one huge page faults 2 MiB in at once."""
     faults = {mode: int(subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True,
                                        check=True).stdout) for mode in ("default", "keep")}
     assert faults["default"] > 10 * 16384 * 0.9, faults
