@@ -103,9 +103,10 @@ ImageSource = Union[Image.Image, bytes, str, Path, IO[bytes]]
 # glibc's malloc hands a freed block above its mmap threshold straight back to the kernel, and trims the heap whenever
 # more than its trim threshold lies free at the top. A training or encoding step frees and re-allocates tens of MB
 # (activations, gradients, temporaries) every step, so every step faulted those pages in again, zero-filled by the
-# kernel: EWC's penalty (a few passes over 5.4M parameters) spent ~80% of its time there. Keeping freed memory for
-# reuse is what tcmalloc and jemalloc do (PyTorch's CPU tuning guide recommends them for this); the price is a resident
-# set that stays near its peak, as under the CUDA caching allocator.
+# kernel: EWC's penalty (a few passes over 5.4M parameters) spent ~80% of its time there, where the kernel backed
+# those blocks with 4 KiB pages (with transparent huge pages it faults far less, and this changes little). Keeping
+# freed memory for reuse is what tcmalloc and jemalloc do (PyTorch's CPU tuning guide recommends them for this); the
+# price is a resident set that stays near its peak, as under the CUDA caching allocator.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 _MMAP_ABOVE = 32 << 20  # glibc's ceiling for the mmap threshold on 64-bit: blocks up to it come from the heap
 _TRIM_ABOVE = 1 << 30   # free memory at the heap's top goes back to the kernel only beyond this

@@ -72,7 +72,7 @@ class Importance(Method):
         A row whose importance is zero everywhere adds nothing to the penalty or its gradient: the token embedding's
         rows of tokens the measuring batches never held (most of a 49k vocabulary; on the tiny models 87% of all
         parameters). Those tensors are pulled through their nonzero rows alone (index_select: its backward scatters
-        into the full gradient), which cut EWC's extra step time by more than half (benchmarks: method-step)."""
+        into the full gradient): the penalty's passes then touch ~13% of the parameters there."""
         names, rows, scale, theta = [n for n in live if n in self.importance], [], [], []
         for n in names:
             omega, reach = self.importance[n].float(), None
