@@ -90,6 +90,7 @@ class JobCost:
     def __init__(self, every_s: float = 0.2, match: str = "RayTrainWorker"):
         self.every_s, self.match = every_s, match
         self._cpu: dict[tuple, list[float]] = {}  # (pid, start time) -> [CPU at the block's start, at its last sample]
+        self._titles: dict[tuple, str] = {}  # (pid, start time) -> what the process is: "driver" or its Ray title
         self._peaks: dict[tuple, int] = {}
         self._stop = threading.Event()
 
@@ -108,6 +109,15 @@ class JobCost:
     @property
     def cpu_s(self) -> float:
         return sum(last - first for first, last in self._cpu.values())
+
+    @property
+    def cpu_by_process(self) -> dict[str, float]:
+        """The CPU seconds by kind of process ("driver", or the Ray title without `ray::`: RayTrainWorker,
+        TrainController, the helper actors Ray Train and Ray Data start for each run...), largest first."""
+        by: dict[str, float] = {}
+        for key, (first, last) in self._cpu.items():
+            by[self._titles[key]] = by.get(self._titles[key], 0.0) + last - first
+        return dict(sorted(by.items(), key=lambda kv: -kv[1]))
 
     @property
     def peak_mib(self) -> float:
@@ -134,6 +144,7 @@ class JobCost:
             except psutil.Error:
                 continue
             seen.append((key, title))
+            self._titles[key] = "driver" if proc.pid == me.pid else title.removeprefix("ray::")
             # a process older than the block counts from its first sample; one it started, from 0
             self._cpu.setdefault(key, [cpu if first or key[1] < self._started else 0.0, cpu])[1] = cpu
             if not first and self.match in title and key not in self._workers_before:
@@ -210,7 +221,7 @@ def stream_growth(settings: Settings, names: Sequence[str], tasks: int = 8, pair
                          "eval_cpu_s": metrics.get("eval/cpu_seconds", math.nan),
                          "steps": int(metrics.get("train/step", 0)), "step_ms": metrics.get("train/step_ms", math.nan),
                          "peak_mib": cost.peak_mib, "gallery": int(metrics.get("eval/gallery_pairs", 0)),
-                         "embedded": int(metrics.get("eval/embedded_pairs", 0))})
+                         "embedded": int(metrics.get("eval/embedded_pairs", 0)), "cpu_by": cost.cpu_by_process})
             r = rows[-1]
             print(f"== {method} ({m}/{len(names)}) task {t}/{tasks}: {r['rows']} pairs, job {r['wall_s']:.1f} s "
                   f"({r['cpu_s']:.1f} CPU s), evaluation {r['eval_s']:.1f} s ({r['eval_cpu_s']:.1f} CPU s) on "
@@ -390,11 +401,37 @@ def growth_report(results: dict[str, dict], out: Path, command: str, device: str
              f"{t['peak_mib']:.0f}" if math.isfinite(t["peak_mib"]) else "-", t["gallery"], t["embedded"]]
             for i, t in enumerate(r["tasks"], 1)])
         lines.append("")
+    lines += process_lines(results)
     lines += evaluation_lines(results, baseline)
     lines += ["", f"![job time, step time, peak memory and evaluation time per task]({png.name})", ""]
     lines += report.targets(out, found)
     lines += ["", "## Verdict", ""] + [f"- {line}" for line in verdict_lines(results)]
     return report.write(out, lines)
+
+
+def process_lines(results: dict[str, dict]) -> list[str]:
+    """Where a job's CPU goes, by process, for each method's last task: what the per-job fixed cost is made of."""
+    last = {m: r["tasks"][-1].get("cpu_by") or {} for m, r in results.items()}
+    kinds = sorted({k for by in last.values() for k in by}, key=lambda k: -max(by.get(k, 0.0) for by in last.values()))
+    if not kinds:
+        return []
+    driver_eval = {m: r["tasks"][-1]["eval_cpu_s"] for m, r in results.items()}
+    helpers = {m: sum(v for k, v in by.items() if k not in ("driver", "RayTrainWorker", "TrainController"))
+               for m, by in last.items()}
+    rows = [[k, *(f"{last[m].get(k, 0.0):.1f}" for m in last)] for k in kinds]
+    rows.append(["job", *(f"{sum(last[m].values()):.1f}" for m in last)])
+    share = max(helpers[m] / max(sum(last[m].values()), 1e-9) for m in last)
+    return [
+        "## Where a job's CPU goes", "",
+        "CPU seconds by process during each method's last task job: the driver (the job's preparation, its evaluation "
+        f"({', '.join(f'{m} {v:.1f} s' for m, v in driver_eval.items())} of it) and the registration), the Ray Train "
+        "worker (its process start, imports, DeepSpeed's initialisation, the steps, the checkpoint), the Train "
+        "controller, and the helper actors Ray Train and Ray Data start afresh for every run (each a new worker "
+        f"process importing Ray: {', '.join(f'{m} {v:.1f} s' for m, v in helpers.items())}, up to {share:.0%} of a "
+        "job). These start-up costs are the same at every task and do not grow with the stream, but at this size "
+        "(a few steps per task) they are most of a job, and they vary by ±15% from job to job on a shared machine: "
+        "the growth checks fit a line through tasks 2..T so that one slow job does not decide them.", "",
+        *report.table(["process", *last], rows), ""]
 
 
 def evaluation_lines(results: dict[str, dict], baseline: dict | None) -> list[str]:

@@ -129,6 +129,7 @@ def plot_losses(histories: dict[str, list[tuple[int, float]]], path: str | Path,
             steps, values = zip(*sorted(points))
             ax.plot(steps, values, lw=2 if name == "loss" else 1, label=name)
     ax.set(xlabel="step", ylabel="loss", title=title)
-    ax.legend(fontsize=8)
+    if ax.lines:  # (a run that logged no loss yet: an empty plot, no legend to warn about)
+        ax.legend(fontsize=8)
     fig.savefig(path, format="png", dpi=100)
     return path

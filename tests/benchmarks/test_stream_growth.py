@@ -173,3 +173,26 @@ def test_a_real_two_task_stream_reports_every_task(ray_cluster, settings, tmp_pa
         assert c["peak RSS MiB"] != "-" and float(c["peak RSS MiB"]) > 100  # the worker's peak RSS was sampled
     assert "--tasks 2 --methods finetune --pairs 16 --gallery 8 --workers 1 --seed 0 --set train.micro_batch=8" in text
     assert out.with_suffix(".png").exists() and out.with_suffix(".json").exists()
+
+
+def test_the_report_shows_where_the_last_jobs_cpu_goes_by_process(tmp_path):
+    results = _results()
+    results["finetune"]["tasks"][-1]["cpu_by"] = {"RayTrainWorker": 8.0, "driver": 5.0, "TrainController": 3.0,
+                                                  "PlacementGroupCleaner": 1.5, "SplitCoordinator": 0.5}
+    results["er"]["tasks"][-1]["cpu_by"] = {"RayTrainWorker": 9.0, "driver": 6.0, "DatasetManager": 2.0}
+    text = bench.growth_report(results, tmp_path / "g.md", "cmd", "CPU (test)")
+    section = text.split("## Where a job's CPU goes")[1].split("\n## ")[0]
+    assert "| process | finetune | er | joint |" in section
+    assert "| RayTrainWorker | 8.0 | 9.0 | 0.0 |" in section  # kinds ordered by their largest share
+    assert "| PlacementGroupCleaner | 1.5 | 0.0 | 0.0 |" in section
+    assert "| job | 18.0 | 17.0 | 0.0 |" in section
+    assert "finetune 2.0 s, er 2.0 s, joint 0.0 s, up to 12% of a job" in section  # the helper actors: 2 of 17 for er
+    # a run recorded before the breakdown existed has no section
+    assert "## Where a job's CPU goes" not in bench.growth_report(_results(), tmp_path / "h.md", "cmd", "CPU (test)")
+
+
+def test_job_cost_names_each_process_it_counts():
+    cost = bench.JobCost()
+    cost._cpu = {(1, 0.0): [0.0, 2.0], (2, 0.0): [1.0, 4.0], (3, 0.0): [0.0, 1.0]}
+    cost._titles = {(1, 0.0): "driver", (2, 0.0): "RayTrainWorker", (3, 0.0): "RayTrainWorker"}
+    assert cost.cpu_by_process == {"RayTrainWorker": 4.0, "driver": 2.0}

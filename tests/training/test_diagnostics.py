@@ -1,4 +1,4 @@
-"""Mod-X spatial-disorder diagnostics (the properties of Ni et al., arXiv:2305.07437, §3)."""
+"""Mod-X spatial-disorder diagnostics (the properties of Ni et al., arXiv:2305.07437, §3) and the loss plot."""
 
 import math
 
@@ -10,6 +10,7 @@ from clipstream.training.diagnostics import (
     SAM_EDGES,
     _percent,
     angles,
+    plot_losses,
     plot_spatial_disorder,
     sample_pairs,
     spatial_disorder,
@@ -187,3 +188,13 @@ def test_plot_writes_a_png(tmp_path):
     assert out == tmp_path / "sub" / "sd.png"
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_loss_plot_of_a_run_with_no_losses_is_written_without_a_warning(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels found" would fail here
+        empty = plot_losses({"loss": []}, tmp_path / "empty.png")
+    full = plot_losses({"loss": [(1, 2.0), (2, 1.5)], "ewc": [(1, 0.1), (2, 0.2)]}, tmp_path / "full.png")
+    assert empty.read_bytes()[:8] == full.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
