@@ -49,7 +49,8 @@ TARGET_P99_MS = {100_000: 5.0, 1_000_000: 20.0}  # vector-search p99 at these si
 CLASS_SIZE = 50  # pairs per class of the clustered galleries
 MODES = ("known", "unknown")
 # why an appended gallery's task-unknown search is slower than a reindexed one's (shown with its check)
-APPENDED_WHY = ("one HNSW graph per appended task: a task-unknown query searches each and merges their top-k, so its "
+APPENDED_WHY = ("one segment per appended task (each scanned exactly when it holds less than HNSW_FROM_KB of vectors, "
+                "through its own HNSW graph above): a task-unknown query searches each and merges their top-k, so its "
                 "cost grows with the number of tasks; `compact` merges them into one graph per modality (the "
                 "compacted rows), which the indexing job does once appends leave more than index_compact_segments")
 
