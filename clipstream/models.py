@@ -69,10 +69,19 @@ class ClipBundle:
     def embed_images(self, images: Sequence[ImageSource], batch_size: int = 256) -> np.ndarray:
         """Unit rows float32 [N, D] for images given as PIL images, encoded bytes or paths (`load_image`),
         each decoded only when its batch is embedded."""
-        def encode(chunk):
-            pixels = torch.stack([self.preprocess_val(load_image(x)) for x in chunk])
-            return self.model.encode_image(pixels.to(device=self.device, dtype=self.dtype), normalize=True)
-        return self._embed(list(images), batch_size, encode)
+        return self._embed(list(images), batch_size, lambda chunk: self._encode_pixels(self.pixels(chunk)))
+
+    def pixels(self, images: Sequence[ImageSource]) -> torch.Tensor:
+        """The model's input for `images`: each decoded (`load_image`) and put through the eval transform, stacked
+        [N, 3, H, W]. Apart from the model, so that a server can prepare requests while the model runs."""
+        return torch.stack([self.preprocess_val(load_image(x)) for x in images])
+
+    def embed_pixels(self, pixels: torch.Tensor, batch_size: int = 256) -> np.ndarray:
+        """Unit rows float32 [N, D] for images already made into the model's input (`pixels`)."""
+        return self._embed(pixels, batch_size, self._encode_pixels)
+
+    def _encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.model.encode_image(pixels.to(device=self.device, dtype=self.dtype), normalize=True)
 
     @property
     def device(self) -> torch.device:
@@ -83,7 +92,7 @@ class ClipBundle:
         return next(self.model.parameters()).dtype
 
     @torch.no_grad()
-    def _embed(self, items: list, batch_size: int, encode: Callable) -> np.ndarray:
+    def _embed(self, items: list | torch.Tensor, batch_size: int, encode: Callable) -> np.ndarray:
         """Eval mode while embedding (dropout off), the caller's mode restored, so this can run between
         training steps; open_clip normalises (`normalize=True`), once."""
         if batch_size < 1:

@@ -692,6 +692,7 @@ def test_a_larger_segment_is_searched_with_a_longer_candidate_list(tmp_path, mon
     from clipstream import index as module
 
     monkeypatch.setattr(module, "HNSW_EF_POINTS", 100)
+    monkeypatch.setattr(module, "HNSW_FROM_KB", 1)  # 1 KB of 16-d float32 vectors: every segment here has a graph
     index = EdgeIndex(tmp_path / "edge")
     index.reindex([tv("big", "1", n=300, task_index=0), tv("b", "1", n=100, task_index=1)])
     index.append(tv("small", "1", n=40, task_index=2))
@@ -710,3 +711,19 @@ def test_a_larger_segment_is_searched_with_a_longer_candidate_list(tmp_path, mon
     monkeypatch.setattr(module.EdgeIndex, "_open", spy)
     assert len(index.search(np.ones(DIM), "image", k=5)) == 5
     assert sorted(asked) == [module.HNSW_EF, 4 * module.HNSW_EF]
+
+
+def test_a_segment_below_the_graph_threshold_is_scanned_exactly(tmp_path):
+    """A segment under HNSW_FROM_KB has no graph (hnsw_ef 0 marks it) and is scanned over its float32 vectors,
+    quantisation ignored: every task-unknown search returns the exact top k with the exact cosines."""
+    index = EdgeIndex(tmp_path / "edge")
+    tasks = [clustered(f"d{i}", "1", 300, task_index=i) for i in range(3)]
+    for t in tasks:
+        index.append(t)
+    shard, ef = index._open(index._read()["segments"]["d1"]["image"])
+    assert (shard.info().indexed_vectors_count, ef) == (0, 0)
+    queries = np.stack([t.text[r] for t in tasks for r in (0, 150, 299)])
+    for q, hits in zip(queries, index.search_batch(queries, "image", k=10)):
+        ids, scores = brute(gallery_of(tasks, "image"), q, 10)
+        assert [h.item_id for h in hits] == list(ids)
+        np.testing.assert_allclose([h.score for h in hits], scores, atol=1e-6)

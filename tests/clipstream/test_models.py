@@ -102,6 +102,10 @@ def test_embed_equals_open_clip_direct_encoding_batched_or_not(tmp_path):
                                    atol=1e-5)
     np.testing.assert_allclose(bundle.embed_images(paths, batch_size=256), img, atol=1e-6)  # batching changes nothing
     np.testing.assert_array_equal(bundle.embed_images(paths, batch_size=2), img)  # deterministic
+    # the two halves a server runs apart (decode + transform on one thread, the model on another) give the same rows
+    prepared = bundle.pixels(paths)
+    assert prepared.shape == (5, 3, bundle.image_size, bundle.image_size)
+    np.testing.assert_array_equal(bundle.embed_pixels(prepared, batch_size=2), img)
     assert bundle.embed_texts([]).shape == (0, 64)
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         bundle.embed_texts(["a"], batch_size=0)
