@@ -86,8 +86,10 @@ class Encoder:
         self._encode.set_max_batch_size(settings.serve_batch_size)
         self._encode.set_batch_wait_timeout_s(batch_wait_s)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="encode")  # one model call at a time, off the loop
-        # images are decoded and preprocessed here, request by request, while the model runs on the batch before:
-        # inside the model call they took one core of two while the other waited (grpc-encode, 16 clients)
+        # images are decoded and preprocessed here, request by request, while the model runs on the batch before: the
+        # event loop never decodes (a large image would hold up every other request), the model thread only runs the
+        # model, and a queued request holds the model's input, not the decoded image at its full size. (At 16 clients
+        # on 2 cores it did not change throughput: grpc-encode's profile note.)
         self._prepare = ThreadPoolExecutor(max(1, int(settings.serve_encoder_cpus)), thread_name_prefix="prepare")
 
         async def load(version: str):
