@@ -509,15 +509,12 @@ class EdgeIndex(VectorIndex):
             return self._state
 
     def _open(self, ref: str):
-        """(the segment's shard, the hnsw_ef its searches use: 0 for a segment without a graph, which is scanned),
-        opened once per reader (a segment never changes)."""
+        """(the segment's shard, the hnsw_ef its searches use), opened once per reader (a segment never changes)."""
         with self._lock:
             opened = self._shards.get(ref)
         if opened is None:
             shard = self._qe.EdgeShard.load(str(self._dir / ref))
-            info = shard.info()
-            ef = (self._hnsw_ef or max(HNSW_EF, round(HNSW_EF * info.points_count / HNSW_EF_POINTS))
-                  if info.indexed_vectors_count else 0)
+            ef = self._hnsw_ef or max(HNSW_EF, round(HNSW_EF * shard.info().points_count / HNSW_EF_POINTS))
             with self._lock:
                 opened = self._shards.setdefault(ref, (shard, ef))
         return opened

@@ -75,11 +75,10 @@ def test_the_report_checks_recall_everywhere_and_p99_at_100k_and_1m(tmp_path):
     assert "| vector search p99 ms at 1M, task-known | 25.00 | ≤ 20.00 | **not met** |" in text
 
 
-def test_hnsw_ef_fixes_every_segments_candidate_list_and_0_keeps_the_rule(tmp_path, monkeypatch):
+def test_hnsw_ef_fixes_every_segments_candidate_list_and_0_keeps_the_rule(tmp_path):
     """`--hnsw-ef N` (a recall/latency sweep) searches segments of any size with N, below the rule's base too."""
     from clipstream import index as module
 
-    monkeypatch.setattr(module, "HNSW_FROM_KB", 1)  # every segment here has a graph (a scanned one has no hnsw_ef)
     gallery = bench.synthetic_gallery(600, 2, 16)
     index, _, _ = bench.build(tmp_path / "fixed", gallery, hnsw_ef=40)
     assert index._open(index._read()["segments"]["t00"]["image"])[1] == 40
