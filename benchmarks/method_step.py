@@ -11,20 +11,23 @@ thread, as one of the job's workers does, in the state of a second task: its fir
 method's cost is the median over cycles of its step ÷ finetune's step in the same cycle: a ratio of two steps taken
 a second or two apart, which the machine's drift over a run (±10% on 2 shared cores) barely touches; when each method
 ran its steps in one block, EWC measured 1.02× in one run and 1.16× in the next. (Replay and joint add rows, not
-step work: their step is finetune's.) Writes benchmarks/results/method-step.md.
+step work: their step is finetune's.) A plain PyTorch step (open_clip's ClipLoss, torch's AdamW, no DeepSpeed) takes
+its turn too: what clipstream's own step costs over the loop an open_clip user writes.
+Writes benchmarks/results/method-step.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import socket
 import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import deepspeed
 import torch
@@ -44,6 +47,7 @@ from clipstream.training.methods.base import TaskContext, frozen
 from clipstream.training.methods.config import method_presets, resolve
 
 # the step budget of each method, ×finetune's step on the same batches (the issue's targets)
+PLAIN = "plain PyTorch"  # the row without clipstream: open_clip's loss, torch's AdamW (plain_step)
 TARGETS = {"ewc": 1.10, "mas": 1.10, "lwf": 1.25, "modx": 1.25, "ctp": 1.35, "cclip": 1.30, "teir": 1.05}
 # the profile-backed reason a target is out of reach here, shown with the check (see the phase table: --profile)
 TEACHER_WHY = ("one extra no-grad forward of the frozen previous model on every live batch (the phase table's teacher "
@@ -100,11 +104,27 @@ def second_task(name: str, task: Task, data: list[dict], batch: int, workdir: Pa
     return engine, method, ctx, data
 
 
-def timed(engine, method, ctx, data: list[dict], steps: int, first: int = 0) -> float:
+def plain_step(model: torch.nn.Module) -> Callable[[dict], None]:
+    """The step an open_clip user writes (open_clip's ClipLoss, torch's AdamW, no DeepSpeed, no method) on `model`:
+    the row that shows what clipstream's step itself costs over it."""
+    from open_clip.loss import ClipLoss
+
+    model.train()
+    opt, loss_fn = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), ClipLoss()
+
+    def step(batch: dict) -> None:
+        image, text, scale = model(batch["image"], batch["text"])[:3]
+        opt.zero_grad(set_to_none=True)
+        loss_fn(image, text, scale).backward()
+        opt.step()
+    return step
+
+
+def timed(step: Callable[[dict], object], data: list[dict], steps: int, first: int = 0) -> float:
     """Mean ms of `steps` steps from step `first` on, cycling over the batches."""
     tic = time.perf_counter()
     for i in range(first, first + steps):
-        train_step(engine, method, ctx, data[i % len(data)])
+        step(data[i % len(data)])
     return 1000 * (time.perf_counter() - tic) / steps
 
 
@@ -137,14 +157,14 @@ PHASES = ["step: forward", "step: method terms", "teacher forward", "momentum up
           "step: backward", "step: optimizer", "step: after_step"]
 
 
-def profile(engine, method, ctx, data: list[dict], steps: int) -> dict[str, float]:
+def profile(step: Callable[[dict], object], data: list[dict], steps: int) -> dict[str, float]:
     """ms per step of each named phase over `steps` steps under the torch profiler (CPU time, nested phases
     included in their parent's)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-        timed(engine, method, ctx, data, steps)
+        timed(step, data, steps)
     totals = {e.key: e.cpu_time_total / 1000 / steps for e in prof.key_averages() if e.key in PHASES}
     return {phase: totals[phase] for phase in PHASES if phase in totals}
 
@@ -183,16 +203,19 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
         task = Task.load(synthesize(Path(tmp) / "data", tasks=1, digits=False, train_pairs=400, progress=False)[0])
         arch = resolve("finetune")["model"]["arch"]
         data = batches(task, models.create(arch), args.batch, 4)
-        setups = {}
+        torch.manual_seed(0)
+        setups = {PLAIN: (plain_step(models.create(arch).model), data)}
         for name in names:
             print(f"[setup] {name}: a first task, then the second task's state", flush=True)
-            setups[name] = second_task(name, task, data, args.batch, Path(tmp) / "models")
-            timed(*setups[name], 2)  # warm-up
+            engine, method, ctx, batches_ = second_task(name, task, data, args.batch, Path(tmp) / "models")
+            setups[name] = (functools.partial(train_step, engine, method, ctx), batches_)
+        for setup in setups.values():
+            timed(*setup, 2)  # warm-up
 
         def on_cycle(c, times):
             if (c + 1) % args.steps == 0:
                 print(f"[round {(c + 1) // args.steps}/{args.rounds}] " + " ".join(
-                    f"{n}={statistics.mean(times[n][-args.steps:]):.0f}ms" for n in names), flush=True)
+                    f"{n}={statistics.mean(times[n][-args.steps:]):.0f}ms" for n in setups), flush=True)
 
         times = interleaved(setups, args.rounds * args.steps, on_cycle)
 
@@ -200,7 +223,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
         profiled = {"finetune": profile(*setups["finetune"], args.steps), **profiled} if profiled else {}
 
     median = {name: statistics.median(v) for name, v in times.items()}
-    ratio = {name: paired_ratio(times[name], times["finetune"]) for name in names}
+    ratio = {name: paired_ratio(times[name], times["finetune"]) for name in [PLAIN, *names]}
+    engine_cost = paired_ratio(times["finetune"], times[PLAIN])
     per_round = {name: [statistics.mean(v[r * args.steps:(r + 1) * args.steps]) for r in range(args.rounds)]
                  for name, v in times.items()}
     checks = [report.check(f"{name} step ×finetune", ratio[name], at_most=TARGETS[name], why=WHY.get(name, ""))
@@ -216,9 +240,13 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
         "step ms: the median of a method's steps; ×finetune: the median over cycles of its step ÷ finetune's in the "
         "same cycle; rounds: the mean step of each round's cycles.",
         "",
+        f"{PLAIN}: the step an open_clip user writes (open_clip's ClipLoss, torch's AdamW, no DeepSpeed, no method) on "
+        f"the same model and batches, taking its turn with the methods: clipstream's finetune step (DeepSpeed engine, "
+        f"method lifecycle, the profiler's phase marks) is {engine_cost:.2f}× it.",
+        "",
         *report.table(["method", "step ms", "×finetune", "rounds (ms)"],
                       [[name, median[name], f"{ratio[name]:.2f}", ", ".join(f"{v:.0f}" for v in per_round[name])]
-                       for name in names]),
+                       for name in [PLAIN, *names]]),
         "",
         *(phases(profiled, args.steps) if profiled else []),
         *report.targets(args.out, checks)])

@@ -123,7 +123,12 @@ class JobCost:
     def peak_mib(self) -> float:
         """The largest Ray Train worker's peak resident set, in MiB (NaN when none was seen: not on Linux, or the
         workers run on other nodes)."""
-        return max(self._peaks.values()) / (1 << 20) if self._peaks else math.nan
+        return max(self.worker_peaks_mib, default=math.nan)
+
+    @property
+    def worker_peaks_mib(self) -> list[float]:
+        """Each Ray Train worker's peak resident set in MiB, largest first."""
+        return sorted((v / (1 << 20) for v in self._peaks.values()), reverse=True)
 
     def _poll(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -144,17 +149,30 @@ class JobCost:
             except psutil.Error:
                 continue
             seen.append((key, title))
-            self._titles[key] = "driver" if proc.pid == me.pid else title.removeprefix("ray::")
+            self._titles[key] = "driver" if proc.pid == me.pid else process_kind(title, self._titles.get(key))
             # a process older than the block counts from its first sample; one it started, from 0
             self._cpu.setdefault(key, [cpu if first or key[1] < self._started else 0.0, cpu])[1] = cpu
             if not first and self.match in title and key not in self._workers_before:
-                peak = _vm_hwm(proc.pid)
+                peak = vm_hwm(proc.pid)
                 if peak:
                     self._peaks[key] = max(self._peaks.get(key, 0), peak)
         return seen
 
 
-def _vm_hwm(pid: int) -> int:
+def process_kind(title: str, before: str | None = None) -> str:
+    """A Ray process's kind from its title (`ray::…`): the actor's class (`ray::TrainController.run` ->
+    `TrainController`), or "Ray Data tasks" for a worker that runs Ray Data's read and map operators
+    (`ReadPandasJSON->SplitBlocks(4)`, `MapBatches(_prepare)`: one process alternates between them). Between tasks
+    a worker is titled `ray::IDLE`: it keeps the kind it had `before`, the work it did."""
+    title = title.removeprefix("ray::")
+    if title == "IDLE" and before:
+        return before
+    if title.startswith(("Read", "Map", "FlatMap", "Filter", "Write")):
+        return "Ray Data tasks"
+    return title.split(".", 1)[0].split(" ", 1)[0]
+
+
+def vm_hwm(pid: int) -> int:
     """A process's peak resident set in bytes (Linux /proc VmHWM); 0 when it is gone or unknown."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():

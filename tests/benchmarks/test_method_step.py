@@ -11,8 +11,9 @@ def test_a_small_run_times_each_method_profiles_it_and_checks_the_targets(tmp_pa
     text = bench.main(["--methods", "finetune,ewc,teir", "--profile", "ewc", "--steps", "1", "--rounds", "1",
                        "--batch", "8", "--out", str(out)])
     assert text == out.read_text()
-    for name in ("finetune", "ewc", "teir"):  # teir: CLL-CLIP's grown vocabulary and pinned teacher, built as the job does
+    for name in ("plain PyTorch", "finetune", "ewc", "teir"):  # teir: CLL-CLIP's grown vocabulary and pinned teacher
         assert f"\n| {name} | " in text
+    assert "clipstream's finetune step (DeepSpeed engine, method lifecycle, the profiler's phase marks) is " in text
     checks = {c["check"]: c for c in json.loads(out.with_suffix(".json").read_text())["checks"]}
     assert set(checks) == {"ewc step ×finetune", "teir step ×finetune"}
     assert checks["ewc step ×finetune"]["target"] == "≤ 1.10" and checks["teir step ×finetune"]["target"] == "≤ 1.05"
@@ -38,3 +39,17 @@ def test_methods_take_turns_each_cycle_starting_one_later_and_ratios_pair_steps_
     assert times == {n: [1.0] * 4 for n in "abc"}
     # the machine slows down 2x halfway through: each cycle's pair still says 1.1x
     assert bench.paired_ratio([110, 110, 220, 220], [100, 100, 200, 200]) == 1.1
+
+
+def test_the_plain_step_trains_the_model_with_open_clips_loss_and_adamw():
+    import torch
+
+    from clipstream import models
+
+    torch.manual_seed(1)
+    bundle = models.create("clipstream-vit-tiny")
+    batch = {"image": torch.randn(4, 3, 32, 32), "text": bundle.tokenizer(["a red cup", "a blue car", "a dog", "a tree"])}
+    before = [p.detach().clone() for p in bundle.model.parameters()]
+    assert bench.timed(bench.plain_step(bundle.model), [batch], 2) > 0
+    assert bundle.model.training
+    assert all(not torch.equal(a, p) for a, p in zip(before, bundle.model.parameters()))  # every parameter trained

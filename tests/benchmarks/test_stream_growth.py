@@ -196,3 +196,13 @@ def test_job_cost_names_each_process_it_counts():
     cost._cpu = {(1, 0.0): [0.0, 2.0], (2, 0.0): [1.0, 4.0], (3, 0.0): [0.0, 1.0]}
     cost._titles = {(1, 0.0): "driver", (2, 0.0): "RayTrainWorker", (3, 0.0): "RayTrainWorker"}
     assert cost.cpu_by_process == {"RayTrainWorker": 4.0, "driver": 2.0}
+
+
+def test_a_ray_process_is_named_by_its_kind_and_a_task_worker_by_the_work_it_did():
+    assert bench.process_kind("ray::TrainController.run") == "TrainController"
+    assert bench.process_kind("ray::RayTrainWorker") == "RayTrainWorker"
+    assert bench.process_kind("ray::ReadPandasJSON->SplitBlocks(4)") == "Ray Data tasks"
+    assert bench.process_kind("ray::MapBatches(_prepare)") == "Ray Data tasks"
+    # between tasks the worker is titled IDLE: its CPU stays with what it ran, and one never seen working is IDLE
+    assert bench.process_kind("ray::IDLE", "Ray Data tasks") == "Ray Data tasks"
+    assert bench.process_kind("ray::IDLE") == "IDLE"
