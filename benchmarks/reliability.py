@@ -71,10 +71,11 @@ def drive(client_factory: Callable[[], Client], texts: Sequence[str], images: Se
                     with lock:
                         log.append((kind, me, time.perf_counter() - tic, version, time.monotonic()))
                 except Exception as exc:  # any failure is what this measures
+                    rpc = callable(getattr(exc, "code", None)) and callable(getattr(exc, "details", None))  # a gRPC error
+                    code, details = (exc.code(), exc.details()) if rpc else (type(exc).__name__, exc)
                     with lock:
                         failures.append(f"{kind} at {time.monotonic() - start:.1f} s (took {time.perf_counter() - tic:.1f} s): "
-                                        f"{getattr(exc, 'code', lambda: type(exc).__name__)()}: "
-                                        f"{getattr(exc, 'details', lambda: exc)()}"[:300])
+                                        f"{code}: {details}"[:300])
                 i += 1
 
     def run_events(start: float):

@@ -5,10 +5,10 @@ build context, the versions it installs equal to the ones the tests run, non-roo
 import fnmatch
 import re
 import subprocess
-import tomllib
 from importlib.metadata import version
 
 import pytest
+import tomllib
 from k8s_checks import REPO, tool
 from packaging.requirements import Requirement
 
