@@ -159,6 +159,9 @@ class JobCost:
         return seen
 
 
+DATA_TASKS = "Ray Data tasks"  # the kind of a worker process that ran Ray Data's read and map operators
+
+
 def process_kind(title: str, before: str | None = None) -> str:
     """A Ray process's kind from its title (`ray::…`): the actor's class (`ray::TrainController.run` ->
     `TrainController`), or "Ray Data tasks" for a worker that runs Ray Data's read and map operators
@@ -168,7 +171,7 @@ def process_kind(title: str, before: str | None = None) -> str:
     if title == "IDLE" and before:
         return before
     if title.startswith(("Read", "Map", "FlatMap", "Filter", "Write")):
-        return "Ray Data tasks"
+        return DATA_TASKS
     return title.split(".", 1)[0].split(" ", 1)[0]
 
 
@@ -434,7 +437,7 @@ def process_lines(results: dict[str, dict]) -> list[str]:
     if not kinds:
         return []
     driver_eval = {m: r["tasks"][-1]["eval_cpu_s"] for m, r in results.items()}
-    helpers = {m: sum(v for k, v in by.items() if k not in ("driver", "RayTrainWorker", "TrainController"))
+    helpers = {m: sum(v for k, v in by.items() if k not in ("driver", "RayTrainWorker", "TrainController", DATA_TASKS))
                for m, by in last.items()}
     rows = [[k, *(f"{last[m].get(k, 0.0):.1f}" for m in last)] for k in kinds]
     rows.append(["job", *(f"{sum(last[m].values()):.1f}" for m in last)])
@@ -444,7 +447,8 @@ def process_lines(results: dict[str, dict]) -> list[str]:
         "CPU seconds by process during each method's last task job: the driver (the job's preparation, its evaluation "
         f"({', '.join(f'{m} {v:.1f} s' for m, v in driver_eval.items())} of it) and the registration), the Ray Train "
         "worker (its process start, imports, DeepSpeed's initialisation, the steps, the checkpoint), the Train "
-        "controller, and the helper actors Ray Train and Ray Data start afresh for every run (each a new worker "
+        f"controller, the {DATA_TASKS} (the workers that read and preprocess the pairs: a new process imports torch "
+        "and open_clip before its first batch), and the helper actors Ray Train and Ray Data start afresh for every run (each a new worker "
         f"process importing Ray: {', '.join(f'{m} {v:.1f} s' for m, v in helpers.items())}, up to {share:.0%} of a "
         "job). These start-up costs are the same at every task and do not grow with the stream, but at this size "
         "(a few steps per task) they are most of a job, and they vary by ±15% from job to job on a shared machine: "

@@ -179,14 +179,15 @@ def test_the_report_shows_where_the_last_jobs_cpu_goes_by_process(tmp_path):
     results = _results()
     results["finetune"]["tasks"][-1]["cpu_by"] = {"RayTrainWorker": 8.0, "driver": 5.0, "TrainController": 3.0,
                                                   "PlacementGroupCleaner": 1.5, "SplitCoordinator": 0.5}
-    results["er"]["tasks"][-1]["cpu_by"] = {"RayTrainWorker": 9.0, "driver": 6.0, "DatasetManager": 2.0}
+    results["er"]["tasks"][-1]["cpu_by"] = {"RayTrainWorker": 9.0, "driver": 6.0, "DatasetManager": 2.0,
+                                            "Ray Data tasks": 1.0}  # work, not a helper actor
     text = bench.growth_report(results, tmp_path / "g.md", "cmd", "CPU (test)")
     section = text.split("## Where a job's CPU goes")[1].split("\n## ")[0]
     assert "| process | finetune | er | joint |" in section
     assert "| RayTrainWorker | 8.0 | 9.0 | 0.0 |" in section  # kinds ordered by their largest share
     assert "| PlacementGroupCleaner | 1.5 | 0.0 | 0.0 |" in section
-    assert "| job | 18.0 | 17.0 | 0.0 |" in section
-    assert "finetune 2.0 s, er 2.0 s, joint 0.0 s, up to 12% of a job" in section  # the helper actors: 2 of 17 for er
+    assert "| job | 18.0 | 18.0 | 0.0 |" in section and "| Ray Data tasks | 0.0 | 1.0 | 0.0 |" in section
+    assert "finetune 2.0 s, er 2.0 s, joint 0.0 s, up to 11% of a job" in section  # the helper actors: 2 of 18 for er
     # a run recorded before the breakdown existed has no section
     assert "## Where a job's CPU goes" not in bench.growth_report(_results(), tmp_path / "h.md", "cmd", "CPU (test)")
 
