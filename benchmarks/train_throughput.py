@@ -248,8 +248,8 @@ def throughput_report(runs: dict, out: Path, command: str, device: str, arch: st
     why = "" if v["pass"] or not cpu else (
         f"the job's step {v['clipstream_step_ms']:.0f} ms, the loop's {v['plain_step_ms']:.0f} ms; waiting for input "
         f"{_waiting(ours, v['clipstream_step_ms'], batch)} of the job's epoch, {_waiting(plain, v['plain_step_ms'], batch)}"
-        " of the loop's: Ray Data starts each epoch's pipeline afresh and the worker fills its local shuffle buffer "
-        f"(train.shuffle_buffer rows) before the first batch; CPU per pair trained: the job "
+        " of the loop's: Ray Data starts each epoch's pipeline afresh and yields the worker's first batch once its "
+        f"local shuffle buffer holds half of train.shuffle_buffer rows; CPU per pair trained: the job "
         f"{cpu['clipstream']['all']:.1f} ms, the loop {cpu['plain']['all']:.1f} ms (the table above): on 2 cores the "
         "job's other processes compete with its step")
     lines += ["", *report.targets(out, [report.check("clipstream ÷ plain PyTorch samples/s, 1 worker", ours / plain,
