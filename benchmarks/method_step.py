@@ -46,8 +46,8 @@ from clipstream.training.engine import (
 from clipstream.training.methods.base import TaskContext, frozen
 from clipstream.training.methods.config import method_presets, resolve
 
-# the step budget of each method, ×finetune's step on the same batches (the targets)
 PLAIN = "plain PyTorch"  # the row without clipstream: open_clip's loss, torch's AdamW (plain_step)
+# the step budget of each method, ×finetune's step on the same batches (the targets)
 TARGETS = {"ewc": 1.10, "mas": 1.10, "lwf": 1.25, "modx": 1.25, "ctp": 1.35, "cclip": 1.30, "teir": 1.05}
 # the profile-backed reason a target is out of reach here, shown with the check (see the phase table: --profile)
 TEACHER_WHY = ("one extra no-grad forward of the frozen previous model on every live batch (the phase table's teacher "

@@ -249,9 +249,9 @@ def throughput_report(runs: dict, out: Path, command: str, device: str, arch: st
         f"the job's step {v['clipstream_step_ms']:.0f} ms, the loop's {v['plain_step_ms']:.0f} ms; waiting for input "
         f"{_waiting(ours, v['clipstream_step_ms'], batch)} of the job's epoch, {_waiting(plain, v['plain_step_ms'], batch)}"
         " of the loop's: Ray Data starts each epoch's pipeline afresh and yields the worker's first batch once its "
-        f"local shuffle buffer holds half of train.shuffle_buffer rows; CPU per pair trained: the job "
-        f"{cpu['clipstream']['all']:.1f} ms, the loop {cpu['plain']['all']:.1f} ms (the table above): on 2 cores the "
-        "job's other processes compete with its step")
+        "local shuffle buffer holds half of train.shuffle_buffer rows. On 2 cores the wait and the step trade off "
+        "(while the worker waits, Ray Data's tasks have the cores), so samples/s follows the CPU per pair trained: the "
+        f"job {cpu['clipstream']['all']:.1f} ms, the loop {cpu['plain']['all']:.1f} ms (the table above)")
     lines += ["", *report.targets(out, [report.check("clipstream ÷ plain PyTorch samples/s, 1 worker", ours / plain,
                                                      at_least=TARGET, why=why)])]
     lines += ["", f"Verdict: clipstream at 1 worker is {ours / plain:.2f}× the plain loop (target ≥ {TARGET:.2f}: "
@@ -265,7 +265,7 @@ def throughput_report(runs: dict, out: Path, command: str, device: str, arch: st
 
 def cpu_per_pair(runs: dict, trained: int) -> dict[str, dict[str, float]]:
     """ms of CPU per pair trained (`trained` = pairs × epochs) by process, median over rounds, for each side whose
-    runs recorded it ("all": the whole side); empty when a side did not (a run from before the breakdown)."""
+    runs recorded it ("all": the whole side); empty when either side did not (a run from before the breakdown)."""
     out = {}
     for side in ("plain", "clipstream"):
         recorded = [r["cpu_by"] for r in runs[side] if r.get("cpu_by")]
@@ -289,8 +289,8 @@ def cpu_lines(cpu: dict, pairs: int, epochs: int) -> list[str]:
             "for the plain loop its own process (model creation, the steps) and its DataLoader worker (decoding and "
             "augmenting images); for the job, each kind of process it started: the Ray Train worker (process start, "
             "imports, DeepSpeed's initialisation, the steps, Ray Data's batch iterator, the checkpoint), the workers "
-            "that run Ray Data's read and preprocessing tasks (each a new process that imports torch and open_clip, "
-            "~7 CPU s, before its first batch), the Train controller and the helper actors, and the driver (planning, "
+            "that run Ray Data's read and preprocessing tasks (each a new process that imports torch and open_clip "
+            "before its first batch), the Train controller and the helper actors, and the driver (planning, "
             "evaluation, registration). On 2 cores both sides are CPU-bound, so samples/s follows the CPU per pair. "
             "The step itself is not where the job's extra goes: `method-step.md` times clipstream's finetune step "
             "(DeepSpeed engine and method lifecycle) against a plain open_clip + AdamW step on the same batches.", "",
