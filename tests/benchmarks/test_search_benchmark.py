@@ -27,23 +27,39 @@ def test_galleries_are_unit_vectors_spread_over_the_tasks():
         bench.synthetic_gallery(10, 1, 4, kind="gaussian")
 
 
-@pytest.mark.parametrize("layout", ["reindex", "append"])
+@pytest.mark.parametrize("layout", ["reindex", "append", "policy"])
 def test_a_tiny_run_matches_exact_search(tmp_path, layout):
-    results = bench.run_size(1200, 3, 32, 15, "clustered", tmp_path / "idx", layout=layout)
+    results = bench.run_size(1200, 3, 32, 15, "clustered", tmp_path / "idx", layout=layout, compact_segments=1)
     # an appended index is measured as appended, then once more after `compact` merged its segments
     assert [r["layout"] for r in results] == ([layout, "compacted"] if layout == "append" else [layout])
+    # per modality: one for every task; each task its own; the policy's first 2 tasks merged + the last one
+    assert [r["segments"] for r in results] == {"reindex": [1], "append": [3, 1], "policy": [2]}[layout]
     for result in results:
         assert result["n"] == 1200 and result["tasks"] == 3 and result["build_s"] > 0
-        assert len(result["appends_s"]) == (3 if result["layout"] == "append" else 0)
+        assert len(result["appends_s"]) == (0 if result["layout"] in ("reindex", "compacted") else 3)
         for mode in bench.MODES:
             cell = result[mode]
             assert cell["recall"] == cell["min_recall"] == 1.0  # a small index scans every segment: exact
             assert 0 < cell["index_50"] <= cell["index_99"] and 0 < cell["exact_50"] <= cell["exact_99"]
 
 
+def test_the_policy_layout_is_the_most_segments_the_default_serves(tmp_path):
+    """The indexing job merges an append that leaves more than index_compact_segments: the policy layout stops
+    right after such an append (one merged segment + compact_segments appended), and with too few tasks to merge
+    it is every task appended."""
+    from clipstream.settings import Settings
+
+    assert bench.default_compact_segments() == Settings().index_compact_segments
+    gallery = bench.synthetic_gallery(600, 6, 16)
+    index, _, appends = bench.build(tmp_path / "a", gallery, layout="policy", compact_segments=4)
+    assert index.segments() == 5 and len(appends) == 6 and sorted(index.state()["tasks"]) == [tv.task for tv in gallery]
+    index, _, _ = bench.build(tmp_path / "b", gallery[:4], layout="policy", compact_segments=4)
+    assert index.segments() == 4
+
+
 def fake(n, recall=1.0, p99=1.0, kind="clustered"):
     cell = {"recall": recall, "min_recall": recall, "index_50": p99 / 2, "index_99": p99, "exact_50": 2.0, "exact_99": 3.0}
-    return {"n": n, "kind": kind, "tasks": 10, "build_s": 12.0, "appends_s": [1.2] * 10, "known": dict(cell),
+    return {"n": n, "kind": kind, "tasks": 10, "segments": 1, "build_s": 12.0, "appends_s": [1.2] * 10, "known": dict(cell),
             "unknown": dict(cell)}
 
 
@@ -51,24 +67,27 @@ def test_the_report_checks_recall_everywhere_and_p99_at_100k_and_1m(tmp_path):
     results = [fake(10_000, p99=50.0), fake(100_000, p99=4.0), fake(1_000_000, recall=0.985, p99=25.0),
                fake(100_000, recall=0.5, kind="uniform")]
     results[1]["unknown"]["index_99"] = 6.0
-    results.append({**fake(100_000, p99=9.0), "layout": "append"})
-    results.append({**fake(100_000, p99=3.0), "layout": "compacted"})
+    results.append({**fake(100_000, p99=9.0), "layout": "append", "segments": 10})
+    results.append({**fake(100_000, p99=3.0), "layout": "compacted", "segments": 1})
+    results.append({**fake(100_000, p99=5.5), "layout": "policy", "segments": 5})
     out = tmp_path / "search.md"
     text = bench.search_report(results, {"n": 100_000, "known": {"p50": 7.0, "p99": 9.0},
                                          "unknown": {"p50": 8.0, "p99": 11.0}}, out, "clipstream bench search", "CPU",
-                               seconds=300.0, dim=128)
+                               seconds=300.0, dim=128, compact_segments=4)
     assert "Reproduce: `clipstream bench search`" in text and "Wall time 5.0 min" in text and "128 dimensions" in text
-    assert "| 1M | clustered | reindex | 10 | unknown | 0.9850 |" in text
-    assert "| 100k | uniform | reindex | 10 | known | 0.5000 |" in text and "| 100k | clustered | append | 10 | known |" in text
-    assert "| 100k | clustered | compacted | 10 | unknown |" in text
+    assert "| 1M | clustered | reindex | 10 | 1 | unknown | 0.9850 |" in text
+    assert "| 100k | uniform | reindex | 10 | 1 | known | 0.5000 |" in text and "| 100k | clustered | append | 10 | 10 | known |" in text
+    assert "| 100k | clustered | compacted | 10 | 1 | unknown |" in text and "| 100k | clustered | policy | 10 | 5 | known |" in text
     assert "## Search RPC at 100k" in text and "| unknown | 8.0 | 11.0 |" in text
     assert out.with_suffix(".png").exists() and "![p50 and p99 search latency" in text
     checks = {c["check"]: c for c in json.loads(out.with_suffix(".json").read_text())["checks"]}
-    # recall at 3 sizes × 2 modes, p99 at 2 sizes × 2 modes, both again for the appended 100k and for it compacted;
-    # uniform: reported only
-    assert len(checks) == 18
-    assert not checks["vector search p99 ms at 100k, task-known, appended"]["ok"]
+    # recall at 3 sizes × 2 modes, p99 at 2 sizes × 2 modes, recall again for the appended 100k (its p99 has no target:
+    # compaction off), both for it compacted and for the policy's layout; uniform: reported only
+    assert len(checks) == 20
+    assert "vector search p99 ms at 100k, task-known, appended, compaction off" not in checks
+    assert checks["recall@10 at 100k, task-known, appended, compaction off"]["ok"]
     assert checks["vector search p99 ms at 100k, task-unknown, appended then compacted"]["ok"]
+    assert not checks["vector search p99 ms at 100k, task-unknown, appended under the default policy (5 segments)"]["ok"]
     assert not checks["vector search p99 ms at 100k, task-unknown"]["ok"] and checks["vector search p99 ms at 100k, task-known"]["ok"]
     assert not checks["recall@10 at 1M, task-known"]["ok"] and checks["recall@10 at 10k, task-known"]["target"] == "≥ 0.9900"
     assert "vector search p99 ms at 10k, task-known" not in checks  # no latency target at 10k
