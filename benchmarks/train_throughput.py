@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Sequence
 
 from clipstream.benchmarks import report
-from clipstream.benchmarks.stream_growth import JobCost
+from clipstream.benchmarks.processes import JobCost
 
 TARGET = 0.95  # the job on 1 worker ÷ the plain loop
 MIB = 1 << 20

@@ -112,29 +112,6 @@ def test_fit_ratio_and_the_expected_work():
     assert bench.shape_of({"method": {}}) == ("flat", None)
 
 
-def test_job_cost_counts_the_cpu_of_this_process_and_its_ray_workers_not_other_processes():
-    import json
-    import subprocess
-    import sys
-
-    # in a fresh process: this one's children include the suite's own Ray workers, which JobCost would count
-    probe = """
-import json, subprocess, sys, time
-from clipstream.benchmarks import stream_growth as bench
-busy = "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 1.0: pass\\ntime.sleep(0.5)\\n"
-with bench.JobCost() as cost:
-    tic = time.process_time()
-    while time.process_time() - tic < 0.3:  # this process: counted
-        pass
-    subprocess.run([sys.executable, "-c", busy], check=True)  # a child that is not a ray:: worker: not counted
-print(json.dumps([cost.cpu_s, cost.peak_mib]))
-"""
-    cpu_s, peak_mib = json.loads(subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True,
-                                                text=True).stdout.splitlines()[-1])
-    assert 0.25 < cpu_s < 0.8  # (with the sampling's own)
-    assert peak_mib is None or math.isnan(peak_mib)  # no Ray Train worker started
-
-
 def test_the_stream_has_equal_tasks(tmp_path):
     dirs = bench.equal_tasks(tmp_path / "s", tasks=3, pairs=50, gallery=6, seed=1)
     assert [d.name for d in dirs] == ["task-00-household", "task-01-furnishing", "task-02-food"]
@@ -190,20 +167,3 @@ def test_the_report_shows_where_the_last_jobs_cpu_goes_by_process(tmp_path):
     assert "finetune 2.0 s, er 2.0 s, joint 0.0 s, up to 11% of a job" in section  # the helper actors: 2 of 18 for er
     # a run recorded before the breakdown existed has no section
     assert "## Where a job's CPU goes" not in bench.growth_report(_results(), tmp_path / "h.md", "cmd", "CPU (test)")
-
-
-def test_job_cost_names_each_process_it_counts():
-    cost = bench.JobCost()
-    cost._cpu = {(1, 0.0): [0.0, 2.0], (2, 0.0): [1.0, 4.0], (3, 0.0): [0.0, 1.0]}
-    cost._titles = {(1, 0.0): "driver", (2, 0.0): "RayTrainWorker", (3, 0.0): "RayTrainWorker"}
-    assert cost.cpu_by_process == {"RayTrainWorker": 4.0, "driver": 2.0}
-
-
-def test_a_ray_process_is_named_by_its_kind_and_a_task_worker_by_the_work_it_did():
-    assert bench.process_kind("ray::TrainController.run") == "TrainController"
-    assert bench.process_kind("ray::RayTrainWorker") == "RayTrainWorker"
-    assert bench.process_kind("ray::ReadPandasJSON->SplitBlocks(4)") == "Ray Data tasks"
-    assert bench.process_kind("ray::MapBatches(_prepare)") == "Ray Data tasks"
-    # between tasks the worker is titled IDLE: its CPU stays with what it ran, and one never seen working is IDLE
-    assert bench.process_kind("ray::IDLE", "Ray Data tasks") == "Ray Data tasks"
-    assert bench.process_kind("ray::IDLE") == "IDLE"
