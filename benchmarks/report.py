@@ -52,7 +52,10 @@ def check(name: str, value: float, *, at_least: float | None = None, at_most: fl
     ok = (at_least is None or value >= at_least) and (at_most is None or value <= at_most)
     target = " and ".join([f"{sign} {fmt.format(bound)}" for sign, bound in (("≥", at_least), ("≤", at_most))
                            if bound is not None])
-    return {"check": name, "value": fmt.format(value), "target": target, "ok": bool(ok), "why": why}
+    shown = fmt.format(value)
+    if not ok and shown in {fmt.format(b) for b in (at_least, at_most) if b is not None}:
+        shown = f"{value:.6g}"  # a miss that rounds onto its bound ("1.25, ≤ 1.25: not met"): the digits that decide it
+    return {"check": name, "value": shown, "target": target, "ok": bool(ok), "why": why}
 
 
 def targets(out: str | Path, checks: Sequence[dict]) -> list[str]:

@@ -46,6 +46,11 @@ def test_a_check_states_its_bound_and_whether_the_figure_meets_it():
                                                          "ok": True, "why": ""}
     assert not report.check("p99 ms", 5.5, at_most=5.0, fmt="{:.1f}")["ok"]
     assert report.check("r", 1.0, at_least=0.5, at_most=2.0)["target"] == "≥ 0.50 and ≤ 2.00"
+    # a miss that would read as its bound shows the digits that decide it; a figure on its bound meets it
+    assert report.check("lwf", 1.2537, at_most=1.25)["value"] == "1.2537"
+    assert report.check("r", 0.9461, at_least=0.9489)["value"] == "0.9461"
+    assert report.check("lwf", 1.25, at_most=1.25) == {"check": "lwf", "value": "1.25", "target": "≤ 1.25", "ok": True,
+                                                       "why": ""}
 
 
 def test_targets_are_written_next_to_the_results_for_the_summary_and_as_a_table(tmp_path):
