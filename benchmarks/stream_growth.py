@@ -40,7 +40,7 @@ from clipstream.training.methods import resolve
 
 METHODS = ("finetune", "ewc", "er", "ctp", "joint")
 FLAT = 1.15  # a cost that should not grow: task T within 1.15x task 2
-LINEAR = 0.8  # joint's time in training steps, task T ÷ task 2: at least 0.8 x T/2
+LINEAR = 0.8  # joint's time in training steps after the first, task T ÷ task 2: at least 0.8 x T/2
 EVAL_SHARE = 0.25  # the evaluation's share of the last task's job CPU, at most
 COLUMNS = ["task", "train pairs", "steps", "step ms", "job s", "job CPU s", "eval s", "eval CPU s", "eval share",
            "peak RSS MiB", "gallery pairs", "embedded pairs"]
@@ -133,6 +133,7 @@ def stream_growth(settings: Settings, names: Sequence[str], tasks: int = 8, pair
                          "cpu_s": cost.cpu_s, "eval_s": metrics.get("eval/seconds", math.nan),
                          "eval_cpu_s": metrics.get("eval/cpu_seconds", math.nan),
                          "steps": int(metrics.get("train/step", 0)), "step_ms": metrics.get("train/step_ms", math.nan),
+                         "first_step_ms": metrics.get("train/first_step_ms", 0.0),
                          "peak_mib": cost.peak_mib, "gallery": int(metrics.get("eval/gallery_pairs", 0)),
                          "embedded": int(metrics.get("eval/embedded_pairs", 0)), "cpu_by": cost.cpu_by_process})
             r = rows[-1]
@@ -201,16 +202,24 @@ def fit_ratio(xs: Sequence[float], ys: Sequence[float]) -> float:
     return float(end / first) if first > 0 else math.nan
 
 
+def steps_s(task: dict) -> float:
+    """A task job's seconds in its training steps after the first: the first also creates AdamW's state and the
+    allocator's pools (~1 s here, against ~0.1 s for a step after it), a fixed cost per job that would hide how the
+    training work grows (recorded before this metric existed: every step)."""
+    return (task["steps"] * task["step_ms"] - task.get("first_step_ms", 0.0)) / 1000
+
+
 def growth(r: dict) -> dict:
     """A method's ratios task T ÷ task 2, fitted over tasks 2..T (task 1 is special: no parent, no teacher, nothing to
-    replay): the job's CPU seconds and wall time without its evaluation, step ms, peak memory, time in training steps
-    and train pairs; and `work`, the growth its training work should have (the ratio of its train pairs)."""
+    replay): the job's CPU seconds and wall time without its evaluation, step ms, peak memory, time in training
+    steps after the first (`steps_s`) and train pairs; and `work`, the growth its training work should have (the
+    ratio of its train pairs)."""
     rows, pairs = r["tasks"], r["pairs"]
     later = rows[1:]
     idx = list(range(2, len(rows) + 1))
     series = {"train_cpu": [t["cpu_s"] - t["eval_cpu_s"] for t in later],
               "train_s": [t["wall_s"] - t["eval_s"] for t in later], "step_ms": [t["step_ms"] for t in later],
-              "peak_mib": [t["peak_mib"] for t in later], "steps_s": [t["steps"] * t["step_ms"] / 1000 for t in later]}
+              "peak_mib": [t["peak_mib"] for t in later], "steps_s": [steps_s(t) for t in later]}
     out = {k: fit_ratio(idx, v) for k, v in series.items()}
     out["rows"] = later[-1]["rows"] / later[0]["rows"] if later else math.nan
     if r["shape"] == "linear":
@@ -234,7 +243,7 @@ def _expected(r: dict, g: dict) -> tuple[bool, str]:
                     "growth)")
     if r["shape"] == "linear":
         ok = ok and g["steps_s"] >= LINEAR * g["work"]
-        return ok, (f"linear (train pairs ×{g['rows']:.1f}; time in training steps ×{g['steps_s']:.2f}, at least "
+        return ok, (f"linear (train pairs ×{g['rows']:.1f}; time in training steps after the first ×{g['steps_s']:.2f}, at least "
                     f"{LINEAR} × {t}/2)")
     return ok, f"flat (≤ {FLAT}x)"
 
@@ -259,7 +268,7 @@ def checks(results: dict[str, dict]) -> list[dict]:
                                     at_most=r["pairs"] + r["buffer"], fmt="{:.0f}",
                                     why=f"{r['pairs']} of the task + a buffer of {r['buffer']}"))
         if r["shape"] == "linear":
-            out.append(report.check(f"{method}: time in training steps, task {t} ÷ task 2", g["steps_s"],
+            out.append(report.check(f"{method}: time in training steps after the first, task {t} ÷ task 2", g["steps_s"],
                                     at_least=LINEAR * g["work"], why=f"linear: {t} tasks' pairs against 2"))
         out.append(report.check(f"{method}: step ms, task {t} ÷ task 2", g["step_ms"], at_most=FLAT))
         out.append(report.check(f"{method}: peak worker RSS, task {t} ÷ task 2", g["peak_mib"], at_most=FLAT))

@@ -161,13 +161,14 @@ def train_loop(config: dict) -> None:
                                                    **({"text_en": torch.long} if method.teacher_text else {})})
         last = epoch == train["epochs"] - 1
         kept = collections.deque(maxlen=method.task_end_batches if last else 0)  # for after_task
-        tic, seen, steps, busy = time.perf_counter(), 0, 0, 0.0
+        tic, seen, steps, busy, first = time.perf_counter(), 0, 0, 0.0, 0.0
         for i, batch in enumerate(batches):
             if i >= steps_per_epoch:  # equal steps on every rank, or collectives would hang
                 break
             start = time.perf_counter()
             loss, terms = train_step(engine, method, task_ctx, batch)
-            busy += time.perf_counter() - start  # the step alone: what a method adds, without the input wait
+            took = time.perf_counter() - start  # the step alone: what a method adds, without the input wait
+            busy, first = busy + took, first or took
             kept.append(batch)
             task_ctx.step, steps, seen = task_ctx.step + 1, steps + 1, seen + batch["image"].shape[0]
             if task_ctx.step % train["log_every"] == 0:
@@ -179,7 +180,10 @@ def train_loop(config: dict) -> None:
             method.after_task(task_ctx, list(kept))
         _report_epoch(engine, method, bundle, epoch, task_ctx.step, rank,
                       {"epoch": epoch, "step": task_ctx.step, "loss": float(loss.detach()), "start_epoch": start_epoch,
-                       "samples_per_s": rate, "step_ms": 1000 * busy / max(steps, 1)})
+                       "samples_per_s": rate, "step_ms": 1000 * busy / max(steps, 1),
+                       # a job's first step also creates AdamW's state and the allocator's pools: a fixed cost per
+                       # job that a mean over few steps carries (stream-growth takes it out of the time in steps)
+                       "first_step_ms": 1000 * first})
 
 
 def _report_epoch(engine, method, bundle, epoch: int, step: int, rank: int, metrics: dict) -> None:

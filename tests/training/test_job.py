@@ -67,6 +67,8 @@ def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(two_version
     # a step's own time fits within the epoch's time per step, which also waits on the input pipeline
     step_budget_ms = 1000 * 16 * 2 / run.data.metrics["train/samples_per_s"]  # FAST's micro batch x 2 workers
     assert 0 < run.data.metrics["train/step_ms"] <= step_budget_ms
+    # (one epoch here: the mean includes its first step)
+    assert 0 < run.data.metrics["train/first_step_ms"] <= run.data.metrics["train/step_ms"] * run.data.metrics["train/step"]
     assert {"known/AA", "known/forgetting", "known/BWT", "unknown/AA"} <= set(run.data.metrics)
     artifacts = {a.path for a in client.list_artifacts(v2.run_id)} | {a.path for a in client.list_artifacts(v2.run_id, "plots")}
     assert {"matrix_known.json", "config.json", "plots/01-task-01-furnishing-joint-known.png",
