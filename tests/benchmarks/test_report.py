@@ -1,6 +1,7 @@
 """The helpers every benchmark's results file shares, and `clipstream bench` dispatching to the scripts."""
 
 import importlib
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +61,14 @@ def test_targets_are_written_next_to_the_results_for_the_summary_and_as_a_table(
     lines = report.targets(tmp_path / "x.md", checks)
     assert json.loads((tmp_path / "x.json").read_text()) == {"checks": checks}
     assert lines[-2:] == ["| a | 1.20 | ≤ 1.10 | **not met** (two extra forward passes) |", "| b | 1.00 | ≥ 0.90 | met |"]
+
+
+def test_every_results_file_the_readme_links_or_shows_is_committed():
+    """README's Performance quotes the results files and shows their plots: a renamed or dropped file would leave it
+    pointing at nothing."""
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    linked = set(re.findall(r"\((benchmarks/results/[^)\s]+)\)", (root / "README.md").read_text()))
+    assert {"benchmarks/results/summary.md", "benchmarks/results/search.png"} <= linked
+    assert [p for p in sorted(linked) if not (root / p).is_file()] == []
