@@ -6,18 +6,19 @@ against exact numpy search on the same vectors.
                             [--arch clipstream-vit-small] [--compact-segments N]
 
 For each size N, a gallery of N stored vectors, N/2 images and their N/2 captions, in the embedding dimension of
-`--arch`, is written to an EdgeIndex by one reindex (one segment per modality for every task), and for the
-sizes in `--append-sizes` once more task by task (`--tasks` tasks of N/2/tasks pairs: the no-reindex policy with
-compaction off, one segment per task and modality), measured again after `compact` merged those segments, and
-built a third time as the default policy serves it at its most segments (the first tasks merged, the last
-`--compact-segments` appended after them); the build and compaction times are recorded. The vectors are clustered as a CLIP gallery is: each task around a direction of
-its own, each class (about 50 pairs) around a direction near its task's, each image near its class, each
-caption near its image plus a modality gap that every caption shares. Queries are the captions of random
-pairs (text → image, k=10: a query searches the N/2 images), searched task-known (within the pair's task) and task-unknown (one ranking over
-every task), one query at a time, by the index and by exact numpy search (a float32 matrix-vector product and
-a top-10 selection over the same unit vectors, on one BLAS thread); both are timed per query on the same queries. recall@10 = the
-share of the exact top 10 that the index returns. At `--uniform-size` (when it is one of the sizes) the same
-is measured once more with uniform random unit vectors, the hardest case for an approximate index.
+`--arch`, is written to an EdgeIndex by one reindex (one segment per modality for every task), and for the sizes in
+`--append-sizes` once more task by task (`--tasks` tasks of N/2/tasks pairs: the no-reindex policy with compaction
+off, one segment per task and modality), measured again after `compact` merged those segments, and built a third
+time as the default policy serves it at its most segments (the first tasks merged, the last `--compact-segments`
+appended after them); the build and compaction times are recorded. The vectors are clustered as a CLIP gallery is:
+each task around a direction of its own, each class (about 50 pairs) around a direction near its task's, each image
+near its class, each caption near its image plus a modality gap that every caption shares. Queries are the captions
+of random pairs (text → image, k=10: a query searches the N/2 images), searched task-known (within the pair's task)
+and task-unknown (one ranking over every task), one query at a time, by the index and by exact numpy search (a
+float32 matrix-vector product and a top-10 selection over the same unit vectors, on one BLAS thread); both are
+timed per query on the same queries. recall@10 = the share of the exact top 10 that the index returns. At
+`--uniform-size` (when it is one of the sizes) the same is measured once more with uniform random unit vectors, the
+hardest case for an approximate index.
 
 The Search RPC (a text query → hits: client → Serve gRPC proxy → Encoder ingress → Search, which encodes the
 text with a real `--arch` model through the Encoder and ranks the gallery) is timed at `--rpc-size` (when it is
@@ -196,8 +197,8 @@ def run_size(n: int, tasks: int, dim: int, count: int, kind: str, root: Path, na
                 f"{m}: recall {np.mean(c['recall']):.4f}, index p50/p99 {np.percentile(c['index_ms'], 50):.2f}/"
                 f"{np.percentile(c['index_ms'], 99):.2f} ms, exact p50/p99 {np.percentile(c['exact_ms'], 50):.2f}/"
                 f"{np.percentile(c['exact_ms'], 99):.2f} ms" for m, c in measured.items()), flush=True)
-            results.append({"n": n, "kind": kind, "layout": step, "tasks": tasks, "segments": index.segments(), "build_s": seconds,
-                            "appends_s": appends, "load": load, **{m: summary(c) for m, c in measured.items()}})
+            results.append({"n": n, "kind": kind, "layout": step, "tasks": tasks, "segments": index.segments(),
+                            "build_s": seconds, "appends_s": appends, "load": load, **{m: summary(c) for m, c in measured.items()}})
     finally:
         index.close()
     return results
@@ -316,12 +317,13 @@ def search_report(results: list[dict], rpc_result: dict | None, out: Path, comma
             c = r[mode]
             target = TARGET_P99_MS.get(r["n"]) if r["kind"] == "clustered" and \
                 r.get("layout", "reindex") in SERVED_LAYOUTS else None
-            rows.append([_size(r["n"]), r["kind"], r.get("layout", "reindex"), r["tasks"], r.get("segments", "-"), mode, f"{c['recall']:.4f}", f"{c['min_recall']:.1f}",
+            rows.append([_size(r["n"]), r["kind"], r.get("layout", "reindex"), r["tasks"], r.get("segments", "-"), mode,
+                         f"{c['recall']:.4f}", f"{c['min_recall']:.1f}",
                          f"{c['index_50']:.2f}", f"{c['index_99']:.2f}", f"{c['exact_50']:.2f}", f"{c['exact_99']:.2f}",
                          f"{c['exact_50'] / c['index_50']:.1f}×", f"≤ {target:g}" if target else "-",
                          f"{r['build_s']:.1f}" if mode == "known" else "", f"{r['load']:.1f}" if "load" in r else "-"])
-    lines += report.table(["N", "vectors", "layout", "tasks", "segments", "mode", f"recall@{K}", "worst query", "index p50", "index p99",
-                           "exact p50", "exact p99", "exact ÷ index (p50)", "p99 target", "build s", "load"], rows)
+    lines += report.table(["N", "vectors", "layout", "tasks", "segments", "mode", f"recall@{K}", "worst query",
+                           "index p50", "index p99", "exact p50", "exact p99", "exact ÷ index (p50)", "p99 target", "build s", "load"], rows)
     if rpc_result:
         lines += ["", f"## Search RPC at {_size(rpc_result['n'])} (text → hits, through gRPC and the Encoder)", "",
                   *report.table(["mode", "p50 ms", "p99 ms"],

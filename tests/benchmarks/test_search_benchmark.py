@@ -103,3 +103,11 @@ def test_hnsw_ef_fixes_every_segments_candidate_list_and_0_keeps_the_rule(tmp_pa
     assert index._open(index._read()["segments"]["t00"]["image"])[1] == 40
     index, _, _ = bench.build(tmp_path / "rule", gallery)
     assert index._open(index._read()["segments"]["t00"]["image"])[1] == module.HNSW_EF
+
+
+@pytest.mark.parametrize("argv, message", [(["--compact-segments", "0"], "--compact-segments: at least 1"),
+                                           (["--hnsw-ef", "-1"], "--hnsw-ef: a candidate list length")])
+def test_bad_options_exit_2_before_anything_is_built(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
