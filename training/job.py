@@ -417,8 +417,8 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
                              "same command resumes from its last epoch checkpoint, if any)") from exc
     finally:
         shutil.rmtree(shared, ignore_errors=True)
-    metrics = {k: v for k, v in result.metrics.items() if k in ("samples_per_s", "step_ms", "first_step_ms", "start_epoch",
-                                                                    "step")}
+    kept = ("samples_per_s", "step_ms", "first_step_ms", "start_epoch", "step")  # logged as train/<name>
+    metrics = {k: v for k, v in result.metrics.items() if k in kept}
     if plan.resume_after is not None:  # (the result's metrics are the snapshot's when no epoch was left to train)
         metrics["start_epoch"] = max(metrics.get("start_epoch", 0), plan.resume_after + 1)
     mlflow.log_metrics({f"train/{k}": v for k, v in metrics.items()})
