@@ -204,8 +204,9 @@ def fit_ratio(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 def steps_s(task: dict) -> float:
     """A task job's seconds in its training steps after the first: the first also creates AdamW's state and the
-    allocator's pools (~1 s here, against ~0.1 s for a step after it), a fixed cost per job that would hide how the
-    training work grows (recorded before this metric existed: every step)."""
+    allocator's pools, a fixed cost per job that would hide how the training work grows (recorded before this metric
+    existed: every step). The job's metrics are its last epoch's: with `--set train.epochs=N` (N > 1) this is all
+    steps at the last epoch's mean, less that epoch's first step."""
     return (task["steps"] * task["step_ms"] - task.get("first_step_ms", 0.0)) / 1000
 
 
