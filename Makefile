@@ -11,7 +11,7 @@ K8S_TOOLS := $(VENV)/k8s-tools.stamp
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE ?= ghcr.io/clipstream/clipstream
 
-.PHONY: setup demo cluster-demo test test-cluster stubs clean images k8s-base
+.PHONY: setup demo cluster-demo test test-all test-cluster stubs clean images k8s-base
 
 setup: $(STAMP) $(STUBS) $(K8S_TOOLS)
 
@@ -67,11 +67,17 @@ demo: setup
 cluster-demo: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/clipstream demo --cluster --tasks 2
 
+# The quick tier: unit and component tests and one real end-to-end path (train 2 tasks on Ray Train + DeepSpeed,
+# register, index, promote, serve, search over gRPC). Tests marked `slow` wait for `make test-all`.
 test: setup
+	$(PY) -m pytest -m "not slow" tests
+
+# Everything (what CI runs): the quick tier and the method streams, the faults, the local cluster, the demo.
+test-all: setup
 	$(PY) -m pytest tests
 
-# Only the cluster tests (part of `make test`): a 2-node Ray cluster, an MLflow server, the Jobs API and
-# `serve deploy` on this machine, ~5 minutes.
+# Only the cluster tests (part of `make test-all`): a 2-node Ray cluster, an MLflow server, the Jobs API and
+# `serve deploy` on this machine.
 test-cluster: setup
 	$(PY) -m pytest -m cluster tests
 

@@ -43,9 +43,37 @@ def stream(tmp_path_factory):
                       test_per_task=24, digits=False, progress=False)
 
 
+# ---- tiers: `make test` runs everything not marked `slow`; `make test-all` (CI) runs everything -------------------
+# A test that starts (or shares) Ray, Serve, a training job, a cluster or a CLI subprocess says which tier it is in:
+#   component  the quick tier: it shares the session's one Ray instance and served app, or runs a short CLI process
+#   e2e        the quick tier's one end-to-end path (tests/test_end_to_end.py and the checks on what it trained)
+#   slow       the full tier only: the method streams, faults, the local cluster, the demo, the load test
+TIERS = ("component", "e2e", "slow")
+# fixture -> the tiers a test that uses it (directly or through another fixture) may be in
+COSTLY = {"ray_cluster": TIERS, "served": TIERS, "indexed": TIERS, "cli_process": TIERS, "two_tasks": ("e2e", "slow"),
+          "trained_stream": ("slow",), "cluster_session": ("slow",)}
+
+
+def tier_problem(name: str, fixtures, markers) -> str | None:
+    """Why a test with these fixtures and marker names breaks the tier rules (None when it does not)."""
+    tiers = [m for m in TIERS if m in markers]
+    if len(tiers) > 1:
+        return f"{name} carries several tier markers {tiers}: one only"
+    for fixture in (f for f in COSTLY if f in fixtures):
+        if not tiers:
+            return (f"{name} uses `{fixture}` (Ray, Serve, a training job, a cluster or a CLI process) without a tier "
+                    f"marker: add @pytest.mark.{' / '.join(COSTLY[fixture])} (tests/conftest.py TIERS)")
+        if tiers[0] not in COSTLY[fixture]:
+            return f"{name} uses `{fixture}`, which belongs to tier {' / '.join(COSTLY[fixture])}, not {tiers[0]}"
+    return None
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "stream(method, stage): the test uses that trained stream (tests/streams.py)")
     config.addinivalue_line("markers", "cluster: the test uses the session's local cluster (tests/cluster.py)")
+    for tier, text in (("component", "quick tier, shares the session's Ray / served app or runs a CLI process"),
+                       ("e2e", "quick tier, the one end-to-end path"), ("slow", "full tier only (make test-all)")):
+        config.addinivalue_line("markers", f"{tier}: {text} (tests/conftest.py TIERS)")
 
 
 _BACKGROUND = pytest.StashKey()  # marker name -> the session of work it starts (start/stop, see below)
@@ -58,6 +86,9 @@ def pytest_collection_modifyitems(session, config, items):
     start-ups leave idle; the local cluster (tests/cluster.py) starts when the first cluster test needs it,
     after everything else. Each is a session object with `start()` (returns at once) and `stop()` (returns
     what it left running)."""
+    problems = [p for p in (tier_problem(i.nodeid, i.fixturenames, {m.name for m in i.iter_markers()}) for i in items) if p]
+    if problems:
+        raise pytest.UsageError("tests without their tier (tests/conftest.py):\n  " + "\n  ".join(problems))
     if config.option.collectonly:
         return
     from tests.cluster import ClusterSession
@@ -71,8 +102,9 @@ def pytest_collection_modifyitems(session, config, items):
         background["cluster"] = ClusterSession()  # started by the fixture
     config.stash[_BACKGROUND] = background
 
-    def waits(item) -> int:
-        return 2 if item.get_closest_marker("cluster") else 1 if item.get_closest_marker("stream") else 0
+    def waits(item) -> int:  # the end-to-end path replaces the shared served app: after every test that uses it
+        return (3 if item.get_closest_marker("cluster") else 2 if item.get_closest_marker("stream")
+                else 1 if item.get_closest_marker("e2e") else 0)
     items.sort(key=waits)  # stable: the order within each group is kept
 
 
@@ -121,6 +153,55 @@ def trained_stream(request):
         return Settings(home=home, presets=started.root / "presets.yaml"), streams.tasks_of(started.root, method)
 
     return train
+
+
+# the quick tier's training settings: 2 epochs of 16-pair micro batches, no retries
+FAST = ["train.epochs=2", "train.micro_batch=16", "train.log_every=2", "train.max_failures=0"]
+DETERMINISTIC = [*FAST, "train.deterministic=true"]
+
+
+@pytest.fixture(scope="session")
+def two_tasks(ray_cluster, stream, tmp_path_factory):
+    """The quick tier's one trained stream, trained once per session as Ray Train jobs on 2 DeepSpeed workers:
+    version 1 (finetune, deterministic, with the held-out zero-shot task) and version 2 (joint, its child, found
+    through the alias the first set, as `clipstream k8s stream` chains its jobs)."""
+    from clipstream.settings import Settings
+    from clipstream.training.data.synth import held_out_task
+    from clipstream.training.job import run_task
+
+    settings = Settings(home=tmp_path_factory.mktemp("two-tasks") / "home").ensure_dirs()
+    first = run_task(stream[0], "finetune", None, workers=2, overrides=DETERMINISTIC, settings=settings,
+                     aliases=["s1-1"], zero_shot=[held_out_task(stream[0].parent)])
+    second = run_task(stream[1], "joint", "models:/clipstream@s1-1", workers=2, overrides=FAST, settings=settings,
+                      wait_parent_s=60)
+    return settings, first, second
+
+
+@pytest.fixture
+def cli_process(tmp_path):
+    """cli_process(*args, env=None, **kwargs) -> CompletedProcess: `clipstream ARGS` as a process of its own (the
+    console script's module), output captured, run in this test's tmp_path unless `cwd` is given."""
+    import subprocess
+    import sys
+
+    def run(*args, env=None, **kwargs):
+        kwargs.setdefault("cwd", tmp_path)
+        return subprocess.run([sys.executable, "-m", "clipstream.cli", *map(str, args)], capture_output=True,
+                              text=True, check=False, env=env, **kwargs)
+    return run
+
+
+@pytest.fixture(autouse=True)
+def _tier_guard(request):
+    """A test without a tier marker that starts Ray itself (not through a fixture the collection check sees) fails."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    before = bool(ray and ray.is_initialized())
+    yield
+    ray = sys.modules.get("ray")
+    if not before and ray and ray.is_initialized() and not any(request.node.get_closest_marker(t) for t in TIERS):
+        pytest.fail(f"{request.node.nodeid} started Ray without a tier marker (tests/conftest.py TIERS)")
 
 
 def register_version(settings, seed: int, alias: str | None = None, task_dirs=(), aa: float = 50.0,

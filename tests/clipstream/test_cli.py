@@ -8,16 +8,15 @@ import pytest
 from clipstream.cli import main
 
 
-def test_console_script_synthesises_and_checks_a_task(tmp_path):
+@pytest.mark.component
+def test_console_script_synthesises_and_checks_a_task(cli_process, tmp_path):
     out = tmp_path / "bench"
-    done = subprocess.run([sys.executable, "-m", "clipstream.cli", "data", "synth", "--out", str(out), "--tasks", "1",
-                           "--train-pairs", "60", "--test-per-task", "8", "--no-digits"], check=False, capture_output=True,
-                          text=True)
+    done = cli_process("data", "synth", "--out", out, "--tasks", "1", "--train-pairs", "60", "--test-per-task", "8",
+                       "--no-digits")
     assert done.returncode == 0, done.stderr
     task = done.stdout.split()[0]
     assert task.endswith("task-00-household")
-    check = subprocess.run([sys.executable, "-m", "clipstream.cli", "data", "check", "--task", task], check=False,
-                           capture_output=True, text=True)
+    check = cli_process("data", "check", "--task", task)
     assert check.returncode == 0 and "train: 60 rows ok, 0 skipped" in check.stdout
 
 

@@ -15,6 +15,8 @@ from PIL import Image
 from clipstream.v1 import encoder_pb2, search_pb2, search_pb2_grpc
 from tests.services.conftest import png
 
+pytestmark = pytest.mark.component  # the session's served app
+
 C = grpc.StatusCode
 
 

@@ -23,7 +23,7 @@ from clipstream.indexing import index_task
 from clipstream.settings import Settings
 from tests.conftest import register_version
 
-pytestmark = [pytest.mark.filterwarnings("ignore:Payload indexes have no effect:UserWarning"),
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Payload indexes have no effect:UserWarning"),
               pytest.mark.filterwarnings("ignore:Failed to obtain server version:UserWarning")]
 REPO = Path(__file__).resolve().parents[2]
 POLICIES = ("no-reindex", "reindex")

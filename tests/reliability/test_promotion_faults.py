@@ -13,6 +13,8 @@ from clipstream.promotion import PromotionError, history, promote, rollback
 from clipstream.registry import PENDING, Registry
 from tests.conftest import register_version
 
+pytestmark = pytest.mark.slow  # faults: `make test-all`
+
 # the child patches the step after which it dies: SIGKILL, no cleanup, no finally blocks
 CHILD = """
 import os, signal, sys

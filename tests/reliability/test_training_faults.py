@@ -26,6 +26,8 @@ from clipstream.registry import Registry
 from clipstream.settings import Settings
 from clipstream.training.methods.state import STATE_FILE, read_state
 
+pytestmark = pytest.mark.slow  # faults: `make test-all`
+
 # three epochs: the driver is killed right after the first epoch's checkpoint, with two epochs still to train
 SETS = ["train.epochs=3", "train.micro_batch=16", "train.log_every=1", "train.max_failures=0", "train.warmup_steps=1",
         "train.deterministic=true", "method.ewc.batches=2"]

@@ -1,10 +1,14 @@
 """Admin over real gRPC: what the served stack holds, and Search keeping its query encoder paired with
 the gallery when the production alias moves on its own."""
 
+import pytest
+
 from clipstream.cli import main
 from clipstream.registry import Registry
 from clipstream.v1 import admin_pb2, admin_pb2_grpc, encoder_pb2, search_pb2
 from tests.services.conftest import set_production
+
+pytestmark = pytest.mark.component  # the session's served app
 
 
 def test_status_names_production_the_pinned_query_version_and_the_gallery(served, indexed):

@@ -7,6 +7,8 @@ from pydantic import ValidationError
 from ray._common.utils import import_attr
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary as build_from_config
 
+pytestmark = pytest.mark.component  # the session's served app
+
 IMPORT_PATH = "clipstream.services.app:app"
 
 

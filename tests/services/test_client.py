@@ -8,6 +8,8 @@ import pytest
 
 from clipstream.services.client import Client
 
+pytestmark = pytest.mark.component  # the session's served app
+
 
 def test_client_batches_and_returns_numpy(served):
     settings, _, _, (v1, _) = served

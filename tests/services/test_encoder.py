@@ -16,6 +16,8 @@ from clipstream.v1 import encoder_pb2
 from tests.services.conftest import png as _png
 from tests.services.conftest import set_production, wait_serving
 
+pytestmark = pytest.mark.component  # the session's served app
+
 
 def _vectors(response):
     return np.array([e.values for e in response.embeddings], dtype=np.float32)

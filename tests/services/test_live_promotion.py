@@ -21,6 +21,8 @@ from clipstream.v1 import admin_pb2, admin_pb2_grpc, encoder_pb2, encoder_pb2_gr
 from tests.conftest import register_version
 from tests.services.conftest import self_signed, still_needed
 
+pytestmark = pytest.mark.slow  # a redeployed app under load: `make test-all`
+
 KEY = "s3cret-key"
 
 

@@ -9,6 +9,8 @@ from clipstream.index import open_index
 from clipstream.v1 import search_pb2
 from tests.services.conftest import png
 
+pytestmark = pytest.mark.component  # the session's served app
+
 
 def test_text_query_ranks_images_like_the_index_does_in_process(indexed):
     settings, stub, bundle, v1 = indexed

@@ -12,33 +12,17 @@ from mlflow import MlflowClient
 from clipstream import models
 from clipstream.cli import main
 from clipstream.registry import Registry, RegistryError
-from clipstream.settings import Settings
 from clipstream.training import evaluate, job
 from clipstream.training.data.synth import held_out_task
 from clipstream.training.data.task import DataError, Task
 from clipstream.training.job import AlreadyRegistered, JobRunning, prepare, run_task
-from tests.conftest import register_version
-
-FAST = ["train.epochs=2", "train.micro_batch=16", "train.log_every=2", "train.max_failures=0"]
+from tests.conftest import DETERMINISTIC, FAST, register_version
 
 
-DETERMINISTIC = [*FAST, "train.deterministic=true"]
-
-
-@pytest.fixture(scope="module")
-def two_versions(ray_cluster, stream, tmp_path_factory):
-    """Version 1 (finetune, deterministic) and version 2 (joint, its child), trained once for this module."""
-    settings = Settings(home=tmp_path_factory.mktemp("job") / "home").ensure_dirs()
-    first = run_task(stream[0], "finetune", None, workers=2, overrides=DETERMINISTIC, settings=settings,
-                     aliases=["s1-1"],  # how `clipstream k8s stream` chains its jobs
-                     zero_shot=[held_out_task(stream[0].parent)])  # the second version inherits it
-    second = run_task(stream[1], "joint", "models:/clipstream@s1-1", workers=2, overrides=FAST, settings=settings, wait_parent_s=60)
-    return settings, first, second
-
-
-@pytest.mark.slow
-def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(two_versions, stream, monkeypatch, capsys):
-    settings, first, second = two_versions
+@pytest.mark.e2e
+def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(two_tasks, stream, monkeypatch, capsys):
+    """The quick tier's stream (tests/conftest.py two_tasks): what its two jobs registered and logged."""
+    settings, first, second = two_tasks
     for name, value in settings.env().items():  # the CLI below reads the same settings
         monkeypatch.setenv(name, value)
 
@@ -128,12 +112,12 @@ def test_a_zero_shot_task_the_stream_trains_on_is_refused_before_training(settin
 
 
 @pytest.mark.slow
-def test_a_killed_worker_resumes_from_the_last_epoch_checkpoint_with_the_same_weights(two_versions, settings, stream,
+def test_a_killed_worker_resumes_from_the_last_epoch_checkpoint_with_the_same_weights(two_tasks, settings, stream,
                                                                                        tmp_path, monkeypatch):
     """Version 1's deterministic job again, with rank 1 killed after training its last epoch and before that
     epoch's checkpoint: the job resumes from the epoch before and ends with version 1's weights, bit for bit
     (so resuming is exact, and a rerun of a deterministic job gives the same weights)."""
-    shared, before, _ = two_versions
+    shared, before, _ = two_tasks
     marker = tmp_path / "killed"
     monkeypatch.setenv("CLIPSTREAM_FAIL_ONCE", f"1:1:{marker}")
     again = run_task(stream[0], "finetune", None, workers=2, overrides=[*DETERMINISTIC, "train.max_failures=1"],

@@ -15,6 +15,8 @@ from clipstream import models
 from clipstream.training.data.reader import read_split, training_dataset
 from clipstream.training.data.task import DataError, Task
 
+pytestmark = pytest.mark.component  # Ray Data pipelines on the session's Ray instance
+
 ARCH = "clipstream-vit-tiny"
 
 

@@ -1,0 +1,92 @@
+"""The quick tier's one end-to-end path, every part real: a 2-task stream trained as Ray Train jobs on 2 DeepSpeed
+workers (tests/conftest.py `two_tasks`), registered in MLflow, promoted behind its gates (which indexes the
+stream's galleries in Qdrant Edge with a Ray Data job), served by Ray Serve and searched over gRPC.
+
+It replaces the session's shared served app, so the collection puts it after every test that uses that app."""
+
+import numpy as np
+import pytest
+
+from clipstream import models
+from clipstream.cli import main
+from clipstream.index import open_index
+from clipstream.local_cluster import free_port
+from clipstream.promotion import history, promote
+from clipstream.registry import PRODUCTION, Registry
+from clipstream.training.data.task import Task
+from tests.services.conftest import wait_serving
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def serving(two_tasks, tmp_path_factory):
+    """The trained stream promoted to version 2 and served on a port of its own."""
+    from ray import serve
+
+    from clipstream.services import app
+    from clipstream.services.client import Client
+
+    trained, _, second = two_tasks
+    settings = trained.model_copy(update={"grpc_port": free_port(), "serve_encoder_cpus": 0, "serve_search_cpus": 0,
+                                          "index_ray_min_rows": 0})  # (the galleries embedded as Ray Data jobs)
+    promoted = promote(settings, second.version)
+    serve.shutdown()  # the shared app (its users ran before this module), if it ran
+    app.start(settings)
+    with Client(f"127.0.0.1:{settings.grpc_port}") as client:
+        yield settings, client, promoted
+    serve.shutdown()
+
+
+def test_the_promoted_version_serves_its_stream_over_grpc(serving, two_tasks, stream, monkeypatch, capsys):
+    settings, client, promoted = serving
+    _, first, second = two_tasks
+    registry = Registry(settings)
+    assert registry.resolve(PRODUCTION).version == second.version == "2"
+    assert promoted["from_version"] == "" and not promoted["forced"] and all(g.passed for g in promoted["gates"])
+    assert [(h["from_version"], h["to_version"]) for h in history(settings)] == [("", "2")]
+
+    # the galleries promotion put in place: both tasks of the lineage, under version 2
+    with open_index(settings) as index:
+        state = index.state()
+    tasks = [Task.load(d) for d in stream]
+    assert {name: entry["model_version"] for name, entry in state["tasks"].items()} == {t.name: "2" for t in tasks}
+    test_rows = {t.name: t.check("test").rows for t in tasks}
+    assert {n: e["counts"]["image"] for n, e in state["tasks"].items()} == {n: len(r) for n, r in test_rows.items()}
+
+    # serving: healthy (once the replicas have loaded the version and opened the gallery), queries encoded by the
+    # production version exactly as the exported model encodes them
+    wait_serving(client.channel)
+    bundle = models.load_exported(registry.resolve("2").folder)
+    captions = [r["caption"] for r in test_rows[tasks[1].name]]
+    vectors, version = client.encode_text(captions)
+    assert version == "2" and np.allclose(vectors, bundle.embed_texts(captions), atol=1e-5)
+
+    # search over gRPC ranks the stored gallery as the model does in process: task-known and task-unknown
+    images = {name: bundle.embed_images([Task.load(d).root / r["image"] for r in rows])
+              for d, (name, rows) in zip(stream, test_rows.items())}
+    for task in ("", tasks[1].name):
+        scope = [tasks[1].name] if task else list(test_rows)
+        ids = [r["id"] for name in scope for r in test_rows[name]]
+        gallery = np.concatenate([images[name] for name in scope])
+        for caption, query in zip(captions[:4], vectors[:4]):
+            hits = client.search(text=caption, task=task, k=5)
+            assert {h["model_version"] for h in hits} == {"2"} and {h["query_model_version"] for h in hits} == {"2"}
+            scores = gallery @ query
+            expected = [ids[i] for i in np.argsort(-scores)[:5]]
+            assert hits[0]["item_id"] == expected[0], (task, caption)
+            assert np.allclose([h["score"] for h in hits], np.sort(scores)[::-1][:5], atol=1e-4)
+
+    # the model learned its task: through the service, test captions find their own image far above chance (5/24)
+    found = [r["id"] in [h["item_id"] for h in client.search(text=r["caption"], task=tasks[1].name, k=5)]
+             for r in test_rows[tasks[1].name]]
+    assert np.mean(found) > 0.5, np.mean(found)
+
+    # the command line reads the same service
+    for name, value in settings.env().items():
+        monkeypatch.setenv(name, value)
+    assert main(["search", captions[0], "--task", tasks[1].name, "-k", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"task-known ({tasks[1].name}), encoded by version 2" in out and len(out.strip().splitlines()) == 5
+    assert main(["status"]) == 0
+    assert "production v2" in capsys.readouterr().out
