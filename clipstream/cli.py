@@ -123,7 +123,8 @@ def _ui(args) -> None:
     import signal
     import subprocess
 
-    from clipstream.local_cluster import free_port, http_get, tool
+    from clipstream.local_cluster import http_get, tool
+    from clipstream.runtime import free_port
 
     settings = Settings()
     uri = settings.mlflow_tracking_uri
@@ -187,14 +188,14 @@ def _bench(args) -> None:
 
 
 def _serve(args) -> None:
+    from clipstream.runtime import init_ray
     from clipstream.services import app, binding
     from clipstream.services.health import SERVICES
-    from clipstream.training.job import init_ray
 
     settings = Settings(**({"serve_replicas": args.replicas} if args.replicas else {}))
     binding.check(settings)  # before Ray starts: a refusal costs nothing
     app.serving_environment()
-    init_ray(settings)
+    init_ray(settings, setup_hook=binding.install)  # (the hook binds the Serve proxy as the settings say)
     app.start(settings)
     if not args.no_follow:  # a production alias moved in MLflow gets its gallery, then serving switches
         import threading
@@ -384,9 +385,13 @@ def _demo(args) -> None:
     from clipstream.training.job import run_task
 
     if not args.no_serve:
+        from clipstream.runtime import init_ray
+        from clipstream.services import binding
         from clipstream.services.app import serving_environment
 
-        serving_environment()  # before the training jobs start Ray: Serve reads it when its processes start
+        serving_environment()  # before Ray starts: Serve reads it when its processes start
+        # the Ray the training jobs then use, with the setup hook that lets the Serve proxy bind as the settings say
+        init_ray(settings, setup_hook=binding.install)
     out = Path(args.out or settings.data_dir / f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"== synthesising {args.tasks} domain tasks + the digits task under {out}")
     dirs = synthesize(out, tasks=args.tasks, seed=args.seed)
@@ -713,8 +718,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = args.func(args)
     except Exception as exc:
-        job = _loaded("clipstream.training.job")
-        if job and isinstance(exc, (job.TrainingFailed, job.RayStartError)) or isinstance(exc, _dependency_errors()):
+        job, runtime = _loaded("clipstream.training.job"), _loaded("clipstream.runtime")
+        if (job and isinstance(exc, job.TrainingFailed) or runtime and isinstance(exc, runtime.RayStartError)
+                or isinstance(exc, _dependency_errors())):
             # not the input's fault (a job that failed, MLflow or the vector store down): exit 1, one line
             print(f"clipstream: error: {_one_line(exc)}", file=console.err())
             return 1

@@ -3,7 +3,7 @@
     top       clipstream.cli, the pipelines that join both sides (indexing, promotion), the benchmarks,
               the cluster manifests (k8s) and the local cluster (local_cluster)
     middle    clipstream.training (makes versions) | clipstream.services (serves them): never each other
-    ground    settings, registry, vector index, model bundle, generated stubs: nothing above them
+    ground    settings, registry, vector index, model bundle, Ray start-up and ports (runtime), generated stubs
 
 Every module must sit on exactly one floor, so a new module has to be placed before it can be imported.
 """
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"clipstream": "clipstream", "training": "clipstream.training", "services": "clipstream.services",
            "benchmarks": "clipstream.benchmarks"}  # repository folder -> installed package (pyproject package-dir)
 GROUND = {"clipstream", "clipstream.console", "clipstream.settings", "clipstream.registry", "clipstream.index", "clipstream.models",
-          "clipstream.mlflow_model", "clipstream.v1"}
+          "clipstream.mlflow_model", "clipstream.runtime", "clipstream.v1"}
 TOP = {"clipstream.cli", "clipstream.indexing", "clipstream.promotion", "clipstream.benchmarks", "clipstream.k8s",
        "clipstream.local_cluster"}
 MAY_IMPORT = {"ground": {"ground"}, "training": {"ground", "training"}, "services": {"ground", "services"},

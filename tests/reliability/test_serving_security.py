@@ -50,10 +50,10 @@ def test_loopback_is_the_default_and_other_interfaces_need_a_key(settings, tmp_p
 
 
 def test_serve_refuses_all_interfaces_without_a_key_before_starting_ray(settings, monkeypatch, capsys):
-    from clipstream.training import job
+    from clipstream import runtime
 
     started = []
-    monkeypatch.setattr(job, "init_ray", lambda *args, **kwargs: started.append(args))  # (the session's Ray may run)
+    monkeypatch.setattr(runtime, "init_ray", lambda *args, **kwargs: started.append(args))  # (the session's Ray may run)
     monkeypatch.setenv("CLIPSTREAM_GRPC_HOST", "0.0.0.0")
     assert main(["serve"]) == 2
     err = capsys.readouterr().err.strip()
