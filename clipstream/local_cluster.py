@@ -398,7 +398,7 @@ def demo(out: Path, method: str = "finetune", tasks: int = 2, seed: int = 0, ove
     """The cluster path once, on this machine: a stream trained by RayJobs through the Jobs API on two nodes,
     registered on the MLflow server, served from the chart's RayService config, promoted and searched. The
     synthetic held-out task and `zero_shot` are evaluated with every version."""
-    from clipstream.cli import format_hits
+    from clipstream.cli.render import format_hits
     from clipstream.services.client import Client
     from clipstream.training.data.synth import held_out_task, synthesize
     from clipstream.training.data.task import Task

@@ -70,15 +70,16 @@ def test_a_bad_setting_is_one_line_and_exit_2(settings, monkeypatch, capsys):
 
 
 def test_a_bug_is_one_line_and_a_log_with_the_traceback(settings, monkeypatch, capsys):
-    import clipstream.cli as cli
+    import sys
+
+    from clipstream.cli import entry
 
     def broken(args):
         raise KeyError("boom")
 
-    monkeypatch.setattr(cli, "_runs", broken)  # the one way to make a bug on purpose: a stand-in command
-    monkeypatch.setattr(cli.sys, "argv", ["clipstream", "runs"])
-    parser = cli.parser
-    monkeypatch.setattr(cli, "parser", lambda: _with(parser(), "runs", broken))
+    monkeypatch.setattr(sys, "argv", ["clipstream", "runs"])
+    parser = entry.parser  # the one way to make a bug on purpose: a stand-in command
+    monkeypatch.setattr(entry, "parser", lambda: _with(parser(), "runs", broken))
     assert main(["runs"]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("clipstream: internal error: KeyError") and "Traceback" not in err
