@@ -177,11 +177,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     import torch
     from ray import serve
 
-    from clipstream.local_cluster import free_port
     from clipstream.registry import Registry
-    from clipstream.services import app
+    from clipstream.runtime import free_port, init_ray
+    from clipstream.services import app, binding
     from clipstream.services.client import Client
-    from clipstream.training.job import init_ray
 
     wall = time.perf_counter()
     cpus = os.cpu_count()
@@ -197,7 +196,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
         work = {m: {c: workload(m, max(args.requests, 2 * c), args.per_request) for c in levels} for m in modalities}
         app.serving_environment()
         os.environ.setdefault(WORKER_NICENESS, "0")  # the replica and proxy at this process's priority (see the doc)
-        init_ray(settings, num_cpus=cpus)
+        init_ray(settings, num_cpus=cpus, setup_hook=binding.install)
         try:
             for side in ("grpc", "grpc-b1") if args.batching_baseline else ("grpc",):
                 served = settings if side == "grpc" else settings.model_copy(update={"serve_batch_size": 1})

@@ -45,10 +45,10 @@ from clipstream import indexing, models
 from clipstream.benchmarks import report
 from clipstream.index import NO_REINDEX, REINDEX, VectorIndex
 from clipstream.registry import MANIFEST, Registry
+from clipstream.runtime import init_ray
 from clipstream.settings import Settings
 from clipstream.training.data.synth import MIN_TASK_PAIRS, P9D_SHARES, synthesize
 from clipstream.training.data.task import Task
-from clipstream.training.job import init_ray
 from clipstream.training.methods.state import STATE_FILE, save_state
 
 TARGET_RATIO = 0.80  # vectors/s of `clipstream index` ÷ the in-process encode loop

@@ -22,7 +22,6 @@ import argparse
 import copy
 import functools
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -34,6 +33,7 @@ import torch
 
 from clipstream import models
 from clipstream.benchmarks import report
+from clipstream.runtime import free_port
 from clipstream.training import methods
 from clipstream.training.data.synth import synthesize
 from clipstream.training.data.task import Task
@@ -145,13 +145,6 @@ def paired_ratio(times: list[float], base: list[float]) -> float:
     return statistics.median(t / b for t, b in zip(times, base))
 
 
-def _free_port() -> int:
-    """A loopback port nobody listens on now: the rendezvous of this process's one-rank process group."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # the phases `train_step` and the methods name with torch.profiler.record_function, in the order a step runs them
 PHASES = ["step: forward", "step: method terms", "teacher forward", "momentum update", "momentum forward",
           "step: backward", "step: optimizer", "step: after_step"]
@@ -196,7 +189,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     torch.set_num_threads(args.threads)
     models.keep_freed_memory()  # as a job's worker does (training/engine.py)
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port())})
+                       "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port())})
     deepspeed.init_distributed(dist_backend="gloo")
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -192,13 +192,12 @@ def measure(clients: int, seconds: float, replicas: int) -> dict:
 
     from ray import serve
 
-    from clipstream.local_cluster import free_port
     from clipstream.promotion import promote
-    from clipstream.services import app
+    from clipstream.runtime import free_port, init_ray
+    from clipstream.services import app, binding
     from clipstream.settings import Settings
     from clipstream.training.data.synth import synthesize
     from clipstream.training.data.task import Task
-    from clipstream.training.job import init_ray
 
     with tempfile.TemporaryDirectory(prefix="bench-reliability-") as tmp:
         root = Path(tmp)
@@ -210,7 +209,7 @@ def measure(clients: int, seconds: float, replicas: int) -> dict:
         v2 = register_untrained(settings, 2, dirs, parent=v1)
         promote(settings, v1)
         app.serving_environment()
-        init_ray(settings)
+        init_ray(settings, setup_hook=binding.install)
         app.start(settings)
         try:
             rows = [r for d in dirs for r in Task.load(d).check("test").rows]

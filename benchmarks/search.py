@@ -208,7 +208,7 @@ def serving(tmp: Path, arch: str):
     """Settings of an app to serve (its own home, a free port, a local Ray) and the `arch` model registered
     there as the production version: (settings, version)."""
     from clipstream.benchmarks.grpc_encode import register
-    from clipstream.local_cluster import free_port
+    from clipstream.runtime import free_port
     from clipstream.settings import Settings
 
     settings = Settings(home=tmp / "rpc" / "home", grpc_port=free_port(), ray_address=None, serve_encoder_cpus=0,
@@ -221,15 +221,15 @@ def rpc(settings, version: str, n: int, tasks: int, count: int) -> dict:
     under `settings` (n vectors over `tasks` tasks, pinned to `version`)."""
     from ray import serve
 
-    from clipstream.services import app
+    from clipstream.runtime import init_ray
+    from clipstream.services import app, binding
     from clipstream.services.client import Client
-    from clipstream.training.job import init_ray
 
     words = "a small large red blue green striped dotted cup lamp chair bird on the left right top".split()
     rng = np.random.default_rng(2)
     texts = [" ".join(rng.choice(words, 6)) for _ in range(count)]
     app.serving_environment()
-    init_ray(settings, num_cpus=os.cpu_count())
+    init_ray(settings, num_cpus=os.cpu_count(), setup_hook=binding.install)
     out = {"n": n}
     try:
         target = app.start(settings, timeout_s=180)

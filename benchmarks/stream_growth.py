@@ -108,7 +108,8 @@ def stream_growth(settings: Settings, names: Sequence[str], tasks: int = 8, pair
                   workers: int = 1, seed: int = 0, overrides: Iterable[str] = (),
                   out: Path = report.RESULTS / "stream-growth.md") -> str:
     """Train one stream of `tasks` equal tasks per method; write the report to `out` (+ .png, .json)."""
-    from clipstream.training.job import init_ray, run_task
+    from clipstream.runtime import init_ray
+    from clipstream.training.job import run_task
 
     overrides = list(overrides)
     train_sets = ["train.epochs=1", *seeded(seed), *overrides]  # (a --set comes last: it wins)

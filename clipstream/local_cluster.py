@@ -26,11 +26,9 @@ from __future__ import annotations
 import base64
 import json
 import os
-import random
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +40,7 @@ from pathlib import Path
 import yaml
 
 from clipstream import console
+from clipstream.runtime import free_port
 
 CHART = Path(__file__).resolve().parents[1] / "charts" / "clipstream"
 # Training settings for nodes of one CPU: a worker holds half of it, Ray Data's read and preprocessing tasks
@@ -53,30 +52,6 @@ def small_node_values() -> dict:
     """Chart values for nodes of one CPU: an Encoder replica (half of one) and Search (a quarter) fit on one; the
     gRPC port a free one (Service R-grpc's in Kubernetes, every proxy's here)."""
     return {"settings": {"grpc_port": free_port(), "serve_encoder_cpus": 0.5, "serve_search_cpus": 0.25}}
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on now, from below the kernel's ephemeral range: several of the cluster's
-    ports are bound minutes after they are chosen (Serve's proxies after training), and a port the kernel hands
-    out itself is one any outgoing connection may take as its source port meanwhile (CI, 24/11: Serve's HTTP
-    proxy "failed to bind"). Only another listener choosing the same port can still collide."""
-    low = _ephemeral_low()
-    for _ in range(100):
-        port = random.randrange(max(1024, low - 12000), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free loopback port below {low} after 100 tries")
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
 
 
 @dataclass
@@ -423,8 +398,7 @@ def demo(out: Path, method: str = "finetune", tasks: int = 2, seed: int = 0, ove
     """The cluster path once, on this machine: a stream trained by RayJobs through the Jobs API on two nodes,
     registered on the MLflow server, served from the chart's RayService config, promoted and searched. The
     synthetic held-out task and `zero_shot` are evaluated with every version."""
-    
-    from clipstream.cli import format_hits
+    from clipstream.cli.render import format_hits
     from clipstream.services.client import Client
     from clipstream.training.data.synth import held_out_task, synthesize
     from clipstream.training.data.task import Task

@@ -11,12 +11,13 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 def ray_cluster():
     import ray
 
+    from clipstream.runtime import init_ray
+    from clipstream.services import binding
     from clipstream.services.app import serving_environment
     from clipstream.settings import Settings
-    from clipstream.training.job import init_ray
 
     serving_environment()  # the tests serve with the settings `clipstream serve` uses
-    init_ray(Settings(ray_address=None), num_cpus=2)
+    init_ray(Settings(ray_address=None), num_cpus=2, setup_hook=binding.install)
     yield ray
     ray.shutdown()
 
@@ -248,13 +249,11 @@ def _gloo_process(worker, rank: int, world: int, port: int, queue) -> None:
 def on_gloo(worker, world: int = 2) -> dict:
     """{rank: worker(rank, world)} from `world` real processes in one gloo group. Workers return numpy
     arrays or numbers, not tensors: a tensor crosses processes through shared memory that dies with it."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from clipstream.runtime import free_port
+
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_gloo_process, args=(worker, r, world, port, queue)) for r in range(world)]
@@ -274,7 +273,7 @@ def served(ray_cluster, tmp_path_factory):
     import grpc
     from ray import serve
 
-    from clipstream.local_cluster import free_port
+    from clipstream.runtime import free_port
     from clipstream.services import app
     from clipstream.settings import Settings
     from clipstream.v1 import encoder_pb2_grpc

@@ -35,7 +35,8 @@ def test_the_wheel_has_clipstream_as_its_only_top_level_package(wheel):
         expected = {f"{package}/{p.relative_to(ROOT / folder).as_posix()}" for p in (ROOT / folder).rglob("*.py")}
         assert expected <= set(names), f"{folder}/ is not fully in the wheel: {sorted(expected - set(names))[:3]}"
     for data in ("clipstream/model_configs/clipstream-vit-tiny.json", "clipstream/training/methods/presets.yaml",
-                 "clipstream/v1/encoder_pb2.py", "clipstream/v1/search_pb2_grpc.py", "clipstream/mlflow_model.py"):
+                 "clipstream/v1/encoder_pb2.py", "clipstream/v1/search_pb2_grpc.py", "clipstream/mlflow_model.py",
+                 "clipstream/cli/__main__.py", "clipstream/cli/render.py", "clipstream/runtime.py"):
         assert data in names
     assert not [n for n in names if "/results/" in n or n.startswith("tests/")]
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))

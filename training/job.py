@@ -49,6 +49,7 @@ from ray.train.torch import TorchTrainer
 
 from clipstream import console, models
 from clipstream.registry import CANDIDATE, MANIFEST, PRODUCTION, Registry, Version
+from clipstream.runtime import init_ray
 from clipstream.settings import Settings
 from clipstream.training import diagnostics, evaluate, launch, methods
 from clipstream.training.data.reader import training_dataset
@@ -569,55 +570,6 @@ class _Progress:
         epoch = int(last["epoch"].value) + 1 if last["epoch"] else 1
         self.bar.set_postfix_str(f"epoch {epoch}/{self.epochs} loss {last['loss'].value:.3f}"
                                  + (f" {last['samples_per_s'].value:.0f} samples/s" if last["samples_per_s"] else ""))
-
-
-class RayStartError(RuntimeError):
-    """The local Ray instance could not start (exit 1, one line: not the input's fault)."""
-
-
-def init_ray(settings: Settings, num_cpus: Optional[int] = None) -> None:
-    """Connect to `settings.ray_address`, or start a Ray instance of this process's own.
-
-    The local instance never meets another Ray on the machine: its GCS on a free port of its own, its temp dir
-    (sessions, sockets, worker logs) a new folder rather than the shared /tmp/ray, and RAY_ADDRESS set to it in
-    every worker, so that what Ray itself looks up with address "auto" (Ray Train's placement-group cleaner, the
-    state API) finds this instance instead of failing on "multiple active Ray instances". Quiet (clipstream.console),
-    the workers' output stays in their log files under that temp dir instead of being forwarded here."""
-    if ray.is_initialized():
-        return
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    forward = not console.is_quiet()
-    if settings.ray_address:
-        ray.init(address=settings.ray_address, log_to_driver=forward)
-        return
-    port = _free_port()
-    # short and of its own: Ray's unix sockets live under it, and a socket path may not pass 107 bytes
-    temp = tempfile.mkdtemp(prefix="clipstream-ray-", dir="/tmp" if Path("/tmp").is_dir() else None)
-    before = os.environ.get(GCS_PORT)
-    os.environ[GCS_PORT] = str(port)  # (read by the head node Ray starts now; ray.init has no argument for it)
-    try:  # the hook lets `clipstream serve` choose the gRPC port's interface and TLS (clipstream.services.binding)
-        ray.init(num_cpus=num_cpus or os.cpu_count(), log_to_driver=forward, configure_logging=False,
-                 _temp_dir=temp,
-                 runtime_env={"worker_process_setup_hook": "clipstream.services.binding.install",
-                              "env_vars": {"RAY_ADDRESS": f"127.0.0.1:{port}"}})
-    except Exception as exc:
-        raise RayStartError(f"could not start a local Ray instance ({type(exc).__name__}: "
-                            f"{' '.join(str(exc).split())[:300]}); Ray's logs: {temp}/session_latest/logs") from exc
-    finally:
-        if before is None:
-            os.environ.pop(GCS_PORT, None)
-        else:
-            os.environ[GCS_PORT] = before
-    logger.info("local Ray instance at 127.0.0.1:%d, temp dir (worker logs) %s", port, temp)
-
-
-GCS_PORT = "RAY_GCS_SERVER_PORT"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _share(path, dest: Path) -> Optional[str]:

@@ -194,7 +194,7 @@ def _commands(p, path=()):
 def test_every_option_has_help_that_names_its_default_and_the_main_verbs_show_examples(capsys):
     import argparse
 
-    from clipstream.cli import parser
+    from clipstream.cli.parser import parser
 
     commands = dict(_commands(parser()))
     assert len(commands) > 20

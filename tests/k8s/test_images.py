@@ -112,7 +112,7 @@ def test_image_sets_the_serve_environment_of_the_app():
     assert {k: env.get(k) for k in SERVE_ENV} == SERVE_ENV
 
 
-@pytest.mark.parametrize("path,expected", [("clipstream/cli.py", False), ("tests/conftest.py", True),
+@pytest.mark.parametrize("path,expected", [("clipstream/cli/entry.py", False), ("tests/conftest.py", True),
                                            ("training/__pycache__/job.cpython-311.pyc", True)])
 def test_dockerignore_reader(path, expected):
     assert dockerignored(path) is expected

@@ -9,7 +9,8 @@ import yaml
 from k8s_checks import objects, run, validate_all
 
 from clipstream import k8s
-from clipstream.cli import main, parser
+from clipstream.cli import main
+from clipstream.cli.parser import parser
 
 
 def cli(capsys, *argv) -> list[dict]:

@@ -2,7 +2,6 @@
 registration (nothing loads it, nothing promotes it), and an MLflow server or a vector store that does not
 answer is one line on the CLI, quickly, with nothing half-done."""
 
-import socket
 import time
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 from clipstream.cli import main
 from clipstream.promotion import promote
 from clipstream.registry import CHECKSUMS, Registry, RegistryError
+from clipstream.runtime import free_port
 from tests.conftest import register_version
 
 
@@ -46,14 +46,8 @@ def test_a_damaged_artifact_is_never_loaded_or_promoted(settings, stream, damage
     assert Registry(settings).number("production") == v1  # the alias never points at it
 
 
-def dead_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_an_mlflow_server_that_does_not_answer_is_one_line_quickly(settings, monkeypatch, capsys):
-    monkeypatch.setenv("CLIPSTREAM_MLFLOW_TRACKING_URI", f"http://127.0.0.1:{dead_port()}")
+    monkeypatch.setenv("CLIPSTREAM_MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
     tic = time.monotonic()
     assert main(["runs"]) == 1
     err = capsys.readouterr().err.strip()
@@ -63,7 +57,7 @@ def test_an_mlflow_server_that_does_not_answer_is_one_line_quickly(settings, mon
 
 def test_a_vector_store_that_does_not_answer_is_one_line(settings, stream, monkeypatch, capsys):
     v1 = register_version(settings, 403, task_dirs=stream[:1])
-    monkeypatch.setenv("CLIPSTREAM_QDRANT_URL", f"http://127.0.0.1:{dead_port()}")
+    monkeypatch.setenv("CLIPSTREAM_QDRANT_URL", f"http://127.0.0.1:{free_port()}")
     capsys.readouterr()
     assert main(["index", "--version", v1, "--task", str(stream[0])]) == 1
     err = capsys.readouterr().err.strip()

@@ -50,10 +50,10 @@ def test_loopback_is_the_default_and_other_interfaces_need_a_key(settings, tmp_p
 
 
 def test_serve_refuses_all_interfaces_without_a_key_before_starting_ray(settings, monkeypatch, capsys):
-    from clipstream.training import job
+    from clipstream import runtime
 
     started = []
-    monkeypatch.setattr(job, "init_ray", lambda *args, **kwargs: started.append(args))  # (the session's Ray may run)
+    monkeypatch.setattr(runtime, "init_ray", lambda *args, **kwargs: started.append(args))  # (the session's Ray may run)
     monkeypatch.setenv("CLIPSTREAM_GRPC_HOST", "0.0.0.0")
     assert main(["serve"]) == 2
     err = capsys.readouterr().err.strip()
@@ -70,15 +70,16 @@ def test_a_bad_setting_is_one_line_and_exit_2(settings, monkeypatch, capsys):
 
 
 def test_a_bug_is_one_line_and_a_log_with_the_traceback(settings, monkeypatch, capsys):
-    import clipstream.cli as cli
+    import sys
+
+    from clipstream.cli import entry
 
     def broken(args):
         raise KeyError("boom")
 
-    monkeypatch.setattr(cli, "_runs", broken)  # the one way to make a bug on purpose: a stand-in command
-    monkeypatch.setattr(cli.sys, "argv", ["clipstream", "runs"])
-    parser = cli.parser
-    monkeypatch.setattr(cli, "parser", lambda: _with(parser(), "runs", broken))
+    monkeypatch.setattr(sys, "argv", ["clipstream", "runs"])
+    parser = entry.parser  # the one way to make a bug on purpose: a stand-in command
+    monkeypatch.setattr(entry, "parser", lambda: _with(parser(), "runs", broken))
     assert main(["runs"]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("clipstream: internal error: KeyError") and "Traceback" not in err

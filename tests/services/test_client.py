@@ -1,11 +1,10 @@
 """The Python client against the real served app: batching, numpy outputs, search dicts, retries."""
 
-import socket
-
 import grpc
 import numpy as np
 import pytest
 
+from clipstream.runtime import free_port
 from clipstream.services.client import Client
 
 pytestmark = pytest.mark.component  # the session's served app
@@ -79,9 +78,7 @@ def test_client_does_not_retry_what_a_retry_cannot_fix():
 
 
 def test_client_gives_up_on_a_port_nobody_listens_on():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens here once the socket closes
+    port = free_port()  # nothing listens here
     with pytest.raises(grpc.RpcError) as err, Client(f"127.0.0.1:{port}", timeout_s=30) as client:
         client.encode_text(["a cup"])
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -189,30 +189,3 @@ def test_a_task_that_registered_a_version_is_refused_unless_retrained_and_a_job_
         driver.wait()
     assert job._end_interrupted_runs(registry, first) == [left]
     assert registry.client.get_run(left).info.status == "KILLED"
-
-
-RAY_CANNOT_START = """
-import socket, sys
-from clipstream.cli import main
-from clipstream.training import job
-taken = socket.socket()
-taken.bind(("0.0.0.0", 0))
-taken.listen()
-job._free_port = lambda: taken.getsockname()[1]  # the port the local Ray's GCS is given is taken: it cannot start
-sys.exit(main(["train", "--task", sys.argv[1], "--workers", "1"]))
-"""
-
-
-@pytest.mark.slow
-def test_a_local_ray_that_cannot_start_is_one_line_naming_its_logs(stream, tmp_path):
-    import os
-
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("CLIPSTREAM_", "RAY_"))},
-           "CLIPSTREAM_HOME": str(tmp_path / "home")}
-    done = subprocess.run([sys.executable, "-c", RAY_CANNOT_START, str(stream[0])], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=300, check=False)
-    assert done.returncode == 1  # not the input's fault
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert lines[0].startswith("clipstream: Ray, DeepSpeed and MLflow log to ")  # (quiet: Ray's own lines go there)
-    assert len(lines) == 2 and lines[1].startswith("clipstream: error: could not start a local Ray instance (")
-    assert "Ray's logs: /tmp/clipstream-ray-" in lines[1] and "Traceback" not in done.stderr + done.stdout

@@ -1,0 +1,33 @@
+"""`clipstream data`: synthesise the benchmark's tasks, check a task folder."""
+
+from __future__ import annotations
+
+from clipstream import console
+
+
+def _synth(args) -> None:
+    from clipstream.training.data.synth import held_out_task, synthesize, synthesize_languages
+
+    sizes = {k: v for k, v in {"train_pairs": args.train_pairs, "test_per_task": args.test_per_task}.items()
+             if v is not None}  # unset: the default of the kind of stream
+    if args.languages is not None:
+        dirs = synthesize_languages(args.out, args.languages, seed=args.seed, image_size=args.image_size, **sizes)
+    else:
+        dirs = synthesize(args.out, tasks=args.tasks, seed=args.seed, image_size=args.image_size,
+                          digits=not args.no_digits, held_out=not args.no_held_out, **sizes)
+    for folder in dirs:
+        print(folder)
+    zero_shot = held_out_task(args.out)
+    if zero_shot:  # not a stream task: on stderr, so stdout stays the list of tasks to train
+        print(f"held-out zero-shot task (no version trains on it): {zero_shot}", file=console.err())
+
+
+def _check(args) -> None:
+    from clipstream.training.data.task import Task
+
+    task = Task.load(args.task)
+    for split in task.splits:
+        check = task.check(split, args.on_bad_image)
+        print(f"{task.name} {split}: {len(check.rows)} rows ok, {len(check.skipped)} skipped")
+        for line in check.skipped:
+            print(f"  skipped {line}")

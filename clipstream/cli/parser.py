@@ -1,0 +1,262 @@
+"""The `clipstream` command line: the argparse parser (it only parses; each command's handler does the work)."""
+
+from __future__ import annotations
+
+import argparse
+
+from clipstream.cli import data, demo, manifests, serving, training, ui, versions
+
+DESCRIPTION = "The `clipstream` command: synthesise data, train task after task, evaluate, list versions, demo."
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, where it has one and does not name it already; descriptions and
+    examples keep their lines."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not action.option_strings or "default" in text or action.default is None or action.default is False
+                or action.default is argparse.SUPPRESS or action.default in ([], "")):
+            return text
+        return f"{text} (default: {str(action.default).replace('%', '%%')})"
+
+
+class _Parser(argparse.ArgumentParser):
+    """(subcommands are made of the parser's own class: every one gets the formatter)"""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+        # before or after the command (`clipstream -v train ...`, `clipstream train -v ...`); SUPPRESS: a command's
+        # parser leaves the value the top one set
+        self.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                          help="show Ray's, Ray Data's, DeepSpeed's and MLflow's logs here (default: into a log file "
+                               "under HOME/logs, whose path is printed)")
+
+
+def _version() -> str:
+    """clipstream's version and its main dependencies' (from their installed metadata: nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    deps = ", ".join(f"{name} {of(dist)}" for name, dist in (("torch", "torch"), ("open_clip", "open_clip_torch"),
+                     ("ray", "ray"), ("deepspeed", "deepspeed"), ("mlflow", "mlflow"), ("qdrant-edge", "qdrant-edge-py")))
+    return f"clipstream {of('clipstream')} ({deps})"
+
+
+# `clipstream COMMAND --help` ends with these
+EXAMPLES = {
+    "train": """examples:
+  clipstream data synth --out data/stream
+  clipstream train --task data/stream/task-00-household --method ewc
+  clipstream train --task data/stream/task-01-furnishing --method ewc --parent candidate --set train.epochs=2""",
+    "index": """examples:
+  clipstream index --version candidate --task data/stream/task-00-household
+  clipstream index --version 3 --task data/stream/task-01-furnishing --policy reindex""",
+    "search": """examples (with `clipstream serve` running):
+  clipstream search "a photo of a cup"
+  clipstream search "a wooden chair" --task task-01-furnishing -k 10
+  clipstream search --image photo.png --model-version 2""",
+    "export": """examples:
+  clipstream export --version production --out my-model
+  python -c 'import open_clip; open_clip.create_model_and_transforms("local-dir:my-model")'""",
+    "promote": """examples:
+  clipstream runs
+  clipstream promote 3
+  clipstream rollback""",
+    "demo": """examples:
+  clipstream demo                     # 3 domain tasks + digits, finetune, then indexing and searches
+  clipstream demo --method ewc --no-serve
+  clipstream demo --tasks 2 --set train.epochs=1""",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    from clipstream.index import NO_REINDEX, POLICIES
+    from clipstream.training.methods.config import PRESETS, load_presets, method_presets
+
+    shipped = method_presets(load_presets(PRESETS))  # not the user's file: a bad one is an error of `main`, not of --help
+    p = _Parser(prog="clipstream", description=DESCRIPTION)
+    p.add_argument("--version", action="version", version=_version())
+    sub = p.add_subparsers(dest="command", required=True)
+
+    ds = sub.add_parser("data", help="task data").add_subparsers(dest="data_command", required=True)
+    synth = ds.add_parser("synth", help="write the synthetic benchmark")
+    synth.add_argument("--out", required=True, metavar="DIR", help="where the task folders go")
+    stream = synth.add_mutually_exclusive_group()
+    stream.add_argument("--tasks", type=int, default=4, help="domain tasks (default 4)")
+    stream.add_argument("--languages", type=int, metavar="K",
+                        help="instead of domain tasks, K language tasks: the same images captioned in English and "
+                             "K-1 synthetic languages")
+    synth.add_argument("--seed", type=int, default=0, help="the random seed of images and captions")
+    synth.add_argument("--image-size", type=int, default=32, help="image side in pixels")
+    synth.add_argument("--train-pairs", type=int, help="domain tasks: in all (default 2000); languages: per language "
+                                                       "(default 600)")
+    synth.add_argument("--test-per-task", type=int, help="default 64 per domain task, 48 per language")
+    synth.add_argument("--no-digits", action="store_true", help="leave out the handwritten-digits task")
+    synth.add_argument("--no-held-out", action="store_true", help="leave out the held-out zero-shot task")
+    synth.set_defaults(func=data._synth)
+    check = ds.add_parser("check", help="validate a task directory")
+    check.add_argument("--task", required=True, metavar="DIR", help="a task folder (task.yaml, splits, images)")
+    check.add_argument("--on-bad-image", choices=("fail", "skip"), default="fail",
+                       help="fail: exit 2 at the first bad row; skip: list the bad rows and go on")
+    check.set_defaults(func=data._check)
+
+    def training_args(q, method: bool = True):
+        if method:
+            q.add_argument("--method", default="finetune", help=f"a method preset: {', '.join(shipped)} "
+                           "(or one of CLIPSTREAM_PRESETS)")
+        q.add_argument("--workers", type=int, default=2, help="Ray Train workers")
+        q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a preset value, e.g. train.epochs=2")
+        q.add_argument("--zero-shot", action="append", default=[], metavar="TASK",
+                       help="a held-out task no version trains on, evaluated with every version of the stream for "
+                            "zero-shot retention (repeatable; default: the parent's)")
+
+    def client_args(q):
+        q.add_argument("--address", help="HOST:PORT of the server (default 127.0.0.1 and the Settings port)")
+        q.add_argument("--tls", action="store_true", help="speak TLS, verifying the server against CLIPSTREAM_TLS_CA_FILE "
+                       "(default: the system's roots; on when this machine's settings configure a certificate)")
+
+    train = sub.add_parser("train", help="train one task as a Ray Train job and register a version")
+    train.add_argument("--task", required=True, metavar="DIR", help="the task folder to train on")
+    train.add_argument("--parent", help="models:/STREAM@ALIAS, an alias or a version number")
+    train.add_argument("--wait-parent", type=float, default=0.0, metavar="SECONDS",
+                       help="wait this long for --parent to be registered (default 0: it must exist)")
+    train.add_argument("--alias", action="append", default=[], help="also set this alias on the new version (repeatable)")
+    train.add_argument("--gpus-per-worker", type=float, help="GPUs per Ray Train worker (default: 1 if the driver "
+                       "sees CUDA, else 0)")
+    train.add_argument("--retrain", action="store_true", help="train the task again although it already registered a "
+                       "version from the same parent, method and data (a new version; without it such a rerun is "
+                       "refused, and an interrupted one resumes from its last epoch checkpoint)")
+    training_args(train)
+    train.set_defaults(func=training._train)
+
+    ev = sub.add_parser("eval", help="evaluate a registered version on its tasks (or the given ones)")
+    ev.add_argument("--version", help="a version number or alias (default: the newest candidate)")
+    ev.add_argument("--task", action="append", default=[], metavar="DIR",
+                    help="a task folder to evaluate on (repeatable; default: every task the version was trained on)")
+    ev.add_argument("--through-index", action="store_true",
+                    help="rank the stored vectors (queries encoded by this version) instead of re-embedding galleries")
+    ev.set_defaults(func=training._eval)
+
+    ix = sub.add_parser("index", help="embed a task's gallery with a version and store it in the vector index")
+    ix.add_argument("--version", required=True, help="models:/STREAM@ALIAS, an alias or a version number")
+    ix.add_argument("--task", required=True, metavar="DIR", help="the task folder whose gallery is embedded")
+    ix.add_argument("--policy", choices=POLICIES, default=NO_REINDEX, help=f"default {NO_REINDEX}")
+    ix.add_argument("--split", default="test", help="the task's split that is the gallery")
+    ix.set_defaults(func=versions._index)
+
+    xp = sub.add_parser("export", help="write a version as an open_clip folder that stock open_clip loads "
+                        "(`local-dir:DIR`)")
+    xp.add_argument("--version", required=True, help="models:/STREAM@ALIAS, an alias or a version number")
+    xp.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder")
+    xp.set_defaults(func=versions._export)
+
+    mu = sub.add_parser("ui", help="start the MLflow UI on the settings' tracking store (loopback) and print its URL")
+    mu.add_argument("--port", type=int, default=0, help="the port (0: a free one)")
+    mu.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the UI to answer")
+    mu.set_defaults(func=ui._ui)
+
+    sub.add_parser("compact", help="merge the vector index's per-task segments into one per modality (no-reindex "
+                   "appends write one each; the indexing job merges them past Settings index_compact_segments)"
+                   ).set_defaults(func=versions._compact)
+
+    sub.add_parser("runs", help="registered versions with their key metrics").set_defaults(func=versions._runs)
+
+    pr = sub.add_parser("promote", help="check a version's gates, index its gallery, move alias production to it")
+    pr.add_argument("version", help="models:/STREAM@ALIAS, an alias or a version number")
+    pr.add_argument("--force", action="store_true", help="promote even when gates fail (recorded as forced)")
+    pr.add_argument("--no-index", action="store_true", help="move the alias without putting the gallery in place")
+    pr.set_defaults(func=versions._promote)
+    sub.add_parser("history", help="every promotion and rollback, oldest first").set_defaults(func=versions._history)
+    fo = sub.add_parser("follow", help="honour a production alias moved in MLflow: index its gallery (serving "
+                        "switches then) and record it in the history (`serve` does this unless --no-follow)")
+    fo.add_argument("--once", action="store_true", help="check once and exit (default: every --interval seconds)")
+    fo.add_argument("--interval", type=float, default=5.0, help="seconds between checks (default 5)")
+    fo.set_defaults(func=versions._follow)
+    rb = sub.add_parser("rollback", help="return production to the version before the last promotion")
+    rb.add_argument("--no-index", action="store_true", help="move the alias without putting the gallery in place")
+    rb.set_defaults(func=versions._rollback)
+
+    sv = sub.add_parser("serve", help="serve gRPC Encoder and Search on Ray Serve (port from Settings)")
+    sv.add_argument("--replicas", type=int, help="Encoder replicas (default: Settings serve_replicas)")
+    sv.add_argument("--no-follow", action="store_true", help="do not follow a production alias moved in MLflow (by "
+                    "default the server indexes that version's gallery, then switches, and records it; see `follow`)")
+    sv.set_defaults(func=serving._serve)
+    en = sub.add_parser("encode", help="embed texts or images through the running service")
+    en.add_argument("text", nargs="*", help="texts to embed")
+    en.add_argument("--image", action="append", default=[], help="an image file (repeatable)")
+    en.add_argument("--model-version", default="", help="a version number or alias (default: production)")
+    en.add_argument("--language", default="", help="the text's language (a task's lang): refused by a version not trained on it")
+    client_args(en)
+    en.set_defaults(func=serving._encode)
+    se = sub.add_parser("search", help="search the index through the running service")
+    se.add_argument("query", nargs="?", help="a text query (or use --image)")
+    se.add_argument("--image", help="an image file as the query")
+    se.add_argument("--task", help="task-known search in this task; omit for task-unknown")
+    se.add_argument("-k", type=int, default=5, help="hits to return")
+    se.add_argument("--model-version", default="", help="a version number or alias whose vectors are searched (default: production)")
+    se.add_argument("--language", default="", help="the text's language (a task's lang): refused by a version not trained on it")
+    client_args(se)
+    se.set_defaults(func=serving._search)
+    kube = sub.add_parser("k8s", help="print RayJob manifests for `kubectl apply -f -` (see k8s/README.md)")
+    kube_sub = kube.add_subparsers(dest="k8s_command", required=True)
+    kjob = kube_sub.add_parser("job", help="one training task as a RayJob")
+    kjob.add_argument("--task", required=True, help="the task's URI as the pods see it: s3://, gs:// or a mounted path")
+    kjob.add_argument("--parent", help="models:/STREAM@ALIAS, an alias or a version number")
+    kstream = kube_sub.add_parser("stream", help="one RayJob per task, each waiting for its parent's version")
+    kstream.add_argument("--tasks", nargs="+", required=True, metavar="URI", help="the tasks in stream order, as the "
+                         "pods see them")
+    kstream.add_argument("--parent", help="the first task's parent (default: the preset's model)")
+    kstream.add_argument("--wait-parent", type=float, default=24 * 3600, metavar="SECONDS",
+                         help="how long each job waits for its parent's version (default 86400)")
+    for q in (kjob, kstream):
+        q.add_argument("--name", help="job name suffix (job) or the stream's alias prefix (stream; default sDATE-TIME)")
+        q.add_argument("--release", default="clipstream", help="the Helm release whose image, ConfigMap and Secrets "
+                       "the job uses (default clipstream)")
+        q.add_argument("--namespace", help="the release's namespace (default: kubectl's current one)")
+        q.add_argument("--image", help="default: the chart's image for this clipstream version and --variant")
+        q.add_argument("--variant", choices=("gpu", "cpu"), default="gpu", help="image variant (default gpu)")
+        q.add_argument("--gpus-per-worker", type=float, default=1, help="default 1 (0 for CPU-only workers)")
+        q.add_argument("--worker-cpus", type=int, default=8, help="CPUs per worker pod (default 8)")
+        q.add_argument("--worker-memory", default="32Gi", help="memory per worker pod (default 32Gi)")
+        training_args(q)
+        q.set_defaults(func=manifests._k8s)
+
+    hc = sub.add_parser("health", help="check the running service with grpc.health.v1 (exit 0 when SERVING)")
+    hc.add_argument("--service", default="", help="a service name such as clipstream.v1.Search (default: the server)")
+    client_args(hc)
+    hc.set_defaults(func=serving._health)
+
+    st = sub.add_parser("status", help="what the running service holds (Admin.GetStatus and ListVersions)")
+    client_args(st)
+    st.set_defaults(func=serving._status)
+
+    from clipstream.benchmarks import BENCHMARKS
+
+    bench = sub.add_parser("bench", help="reproducible benchmarks (scripts under benchmarks/; results in benchmarks/results/)",
+                           description="Run a benchmark; `clipstream bench NAME --help` lists its options.")
+    bench.add_argument("benchmark", choices=list(BENCHMARKS), metavar="NAME", help=", ".join(BENCHMARKS))
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    bench.set_defaults(func=training._bench)
+
+    dm = sub.add_parser("demo", help="synthesise a stream, train it task by task, show the R matrix")
+    dm.add_argument("--out", metavar="DIR", help="where the demo's synthetic tasks go (default: a new "
+                    "demo-DATE-TIME folder in Settings data_dir)")
+    dm.add_argument("--tasks", type=int, default=3, help="domain tasks (the digits task is added last)")
+    dm.add_argument("--seed", type=int, default=0, help="the random seed of the data and of training")
+    dm.add_argument("--no-serve", action="store_true", help="stop after training (no indexing, promotion or serving)")
+    dm.add_argument("--cluster", action="store_true",
+                    help="the cluster path on this machine instead: 2 `ray start` nodes, `mlflow server`, the RayJobs "
+                         "of `clipstream k8s stream` through the Jobs API, the chart's RayService config `serve deploy`ed "
+                         "(needs helm: `make cluster-demo`; --tasks domain tasks, no digits task)")
+    training_args(dm)
+    dm.set_defaults(func=demo._demo)
+    for name, text in EXAMPLES.items():
+        sub.choices[name].epilog = text
+    return p

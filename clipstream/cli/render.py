@@ -1,0 +1,50 @@
+"""What the commands print: tables, search hits, a trained task's R matrices, a promotion's gates.
+
+Imported by the local cluster's demo too: nothing here imports the rest of the command."""
+
+from __future__ import annotations
+
+
+def format_table(rows: list[tuple[str, ...]]) -> str:
+    """Columns padded to their widest cell (the last one left ragged); the first row is the header."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join([c.ljust(w) for c, w in zip(r, widths)] + [r[-1]]).rstrip() for r in rows)
+
+
+def format_hits(hits: list[dict], query, task) -> str:
+    scope = f"task-known ({task})" if task else "task-unknown (all tasks)"
+    version = hits[0]["query_model_version"] if hits else "-"
+    lines = [f"query {str(query)!r}, {scope}, encoded by version {version}",
+             f"{'#':>2} {'score':>6}  {'task':<20} {'item':<28} {'ver':>3} {'gen':>3}  caption"]
+    for i, h in enumerate(hits, 1):
+        lines.append(f"{i:>2} {h['score']:6.3f}  {h['task']:<20} {h['item_id']:<28} {h['model_version']:>3} "
+                     f"{h['index_generation']:>3}  {h['caption'] or ''}")
+    return "\n".join(lines)
+
+
+def task_line(result, i: int, tasks: int, parent) -> str:
+    """One line per trained task: what it made, how long it took, where the stream stands."""
+    known = result.known
+    return (f"task {i + 1}/{tasks} {result.task:<22} version {result.version} (parent {parent or 'none'}) "
+            f"{result.seconds:4.0f} s   task-known AA {known.average_accuracy():5.1f}  forgetting "
+            f"{known.mean_forgetting():4.1f}  BWT {known.bwt():+5.1f}")
+
+
+def print_result(result) -> None:
+    print(f"\nregistered version {result.version} (alias candidate) for task {result.task} "
+          f"[{result.seconds:.0f} s, {result.skipped} rows skipped]")
+    print("\ntask-known Rm, R[i][j] = after task i, on task j:\n" + result.known.format_table())
+    print("\ntask-unknown Rm:\n" + result.unknown.format_table())
+    if result.zero_shot:
+        print(f"\nzero-shot (held-out tasks, never trained on) Rm: {result.zero_shot[-1]:.2f}, "
+              f"drop since the first version evaluated on them: {result.zero_shot[0] - result.zero_shot[-1]:+.2f}")
+    print(f"\nheatmap: {result.heatmap}")
+
+
+def print_promotion(result: dict) -> None:
+    from clipstream.promotion import gate_rows
+
+    print(format_table(gate_rows(result["gates"])))
+    before = f"v{result['from_version']}" if result["from_version"] else "none"
+    forced = " (forced past failed gates)" if result["forced"] else ""
+    print(f"production: {before} -> v{result['to_version']} [{result['reason']}]{forced}")
