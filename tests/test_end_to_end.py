@@ -10,9 +10,9 @@ import pytest
 from clipstream import models
 from clipstream.cli import main
 from clipstream.index import open_index
-from clipstream.local_cluster import free_port
 from clipstream.promotion import history, promote
 from clipstream.registry import PRODUCTION, Registry
+from clipstream.runtime import free_port
 from clipstream.training.data.task import Task
 from tests.services.conftest import wait_serving
 
