@@ -62,7 +62,7 @@ def test_the_size_tables_split_each_append_and_reindex_and_the_targets_follow_th
 
 
 def test_store_growth_compares_medians_so_one_slow_append_does_not_decide_it():
-    # the indexing.md run of 25/11: the end points alone gave 0.7 / 0.4 = 1.75
+    # a run whose last append was slow: the end points alone give 0.7 / 0.4 = 1.75
     assert round(bench.store_growth([0.4, 0.4, 0.4, 0.5, 0.4, 0.5, 0.5, 0.7]), 2) == 1.25
     assert round(bench.store_growth([0.4, 0.4, 0.4, 0.4, 0.8, 0.8, 0.9]), 2) == 2.0  # a real trend still shows
     assert bench.store_growth([0.4, 0.5]) == 1.0  # one append after the first: nothing to compare

@@ -137,6 +137,7 @@ def _indexed(settings):
     return state["generation"], {t: e["model_version"] for t, e in state["tasks"].items()}
 
 
+@pytest.mark.component
 def test_promotion_indexes_the_gallery_before_moving_the_alias(ray_cluster, settings, stream, make, tmp_path):
     t0, t1 = (Task.load(d).name for d in stream)
     v1 = make(stream[:1], aa=50.0, forgetting=0.0)
