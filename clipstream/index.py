@@ -24,16 +24,12 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 
 from clipstream import console
+from clipstream.settings import NO_REINDEX, POLICIES, REINDEX, Policy  # noqa: F401 (POLICIES: re-exported)
 
-Policy = Literal["no-reindex", "reindex"]
-NO_REINDEX: Policy = "no-reindex"
-REINDEX: Policy = "reindex"
-POLICIES: tuple[Policy, ...] = (NO_REINDEX, REINDEX)
 MODALITIES = ("image", "text")
 PAYLOAD_INDEXES = {"task": "keyword", "modality": "keyword", "model_version": "keyword", "index_generation": "integer"}
 BATCH = 256  # points per upsert call

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import Field, PrivateAttr, SecretStr, model_validator
 from pydantic_settings import (
@@ -19,7 +19,12 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from clipstream.index import NO_REINDEX, Policy
+# how promotion puts a version's gallery in place (clipstream.index implements them): defined here, where a setting
+# names one, so that reading settings does not import the vector index
+Policy = Literal["no-reindex", "reindex"]
+NO_REINDEX: Policy = "no-reindex"
+REINDEX: Policy = "reindex"
+POLICIES: tuple[Policy, ...] = (NO_REINDEX, REINDEX)
 
 
 def _config_file() -> Optional[Path]:
