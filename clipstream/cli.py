@@ -705,6 +705,9 @@ def _quiet(command: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from clipstream.settings import configure_process  # (the process's MLflow set-up, once per process)
+
+    configure_process()
     if args.command in QUIET and not getattr(args, "verbose", False):
         _quiet(args.command)
     # MLflow's SQL store logs a database error with its traceback before raising it; the error is ours to

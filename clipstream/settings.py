@@ -27,6 +27,24 @@ REINDEX: Policy = "reindex"
 POLICIES: tuple[Policy, ...] = (NO_REINDEX, REINDEX)
 
 
+# What MLflow reads from the environment, set by `configure_process`
+MLFLOW_ENV = {
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",  # one bar per tiny file is noise
+    # a server that does not answer is reported in seconds, not after MLflow's 7 retries (minutes)
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+}
+
+
+def configure_process() -> None:
+    """The process's MLflow set-up (MLFLOW_ENV; values already set win), done once by each entry point: the CLI's
+    `main`, a Serve replica, a benchmark run as a script. Nothing else in clipstream changes the process: a
+    `Registry` reaches MLflow through its own client, so a library user's MLflow state is theirs. Before Ray starts,
+    so that the workers of a local Ray inherit it."""
+    for key, value in MLFLOW_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def _config_file() -> Optional[Path]:
     path = os.environ.get("CLIPSTREAM_CONFIG")
     if path:

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
-import mlflow
 import numpy as np
 import ray
 import ray.data
@@ -48,7 +47,7 @@ from ray.train import (
 from ray.train.torch import TorchTrainer
 
 from clipstream import console, models
-from clipstream.registry import CANDIDATE, MANIFEST, PRODUCTION, Registry, Version
+from clipstream.registry import CANDIDATE, MANIFEST, PRODUCTION, Registry, RunLog, Version
 from clipstream.settings import Settings
 from clipstream.training import diagnostics, evaluate, launch, methods
 from clipstream.training.data.reader import training_dataset
@@ -185,10 +184,11 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
         tags = {**plan.tags, "run_key": plan.run_key, "ray_run": plan.ray_name, "driver": _driver(),
                 **({"resumes": ",".join(interrupted)} if interrupted else {})}
         with registry.run(plan.run_name, tags) as run_id:
-            trained = fit(plan, settings, run_id)
-            result = evaluate_version(plan, trained, settings.home / "plots" / run_id)
+            run = registry.log(run_id)
+            trained = fit(plan, settings, run)
+            result = evaluate_version(plan, trained, settings.home / "plots" / run_id, run)
             _refuse_registered(registry, plan.tags, plan.generation)  # (an identical job that finished meanwhile)
-            version = register(registry, plan, trained, result)
+            version = register(registry, plan, trained, result, run_id)
         shutil.rmtree(storage, ignore_errors=True)  # its checkpoint is the version now: a retrain starts afresh
     finally:
         shutil.rmtree(plan.workdir, ignore_errors=True)
@@ -363,14 +363,14 @@ def _check_data(plan: Plan) -> None:
         print(f"[data] skipped {line}", flush=True)
 
 
-def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
-    """Train on the plan's data with `workers` Ray Train workers; returns the trained open_clip export
-    (with the method state) staged in the job's workdir."""
+def fit(plan: Plan, settings: Settings, run: RunLog) -> Path:
+    """Train on the plan's data with `workers` Ray Train workers, logging into `run` (rank 0 streams its step
+    metrics there); returns the trained open_clip export (with the method state) staged in the job's workdir."""
     config, train = plan.config, plan.config["train"]
-    mlflow.log_params({**_flatten(config), "task": plan.task.name, "parent": plan.tags["parent_version"],
-                       "workers": plan.workers, "train_rows": plan.rows})
-    mlflow.log_dict(config, "config.json")
-    mlflow.log_metric("data/skipped_rows", len(plan.skipped))
+    run.log_params({**_flatten(config), "task": plan.task.name, "parent": plan.tags["parent_version"],
+                    "workers": plan.workers, "train_rows": plan.rows})
+    run.log_dict(config, "config.json")
+    run.log_metrics({"data/skipped_rows": len(plan.skipped)})
     bundle = models.create(config["model"]["arch"], plan.model_source)
     # what the workers and Ray Data's tasks read goes where Ray Train's checkpoints go: storage every node shares
     # (on Kubernetes the runs volume; HOME, where versions are downloaded, is each pod's own)
@@ -395,7 +395,7 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
                            # CPUs then (train-throughput measured a lone worker at single-thread speed: 0.67x)
                            "threads_per_worker": max(1, int(ray.cluster_resources().get("CPU", 1)) // plan.workers),
                            "method_state": state_path, "teacher_source": teacher_source,
-                           "current": plan.current, "tracking": {"uri": settings.mlflow_tracking_uri, "run_id": run_id}},
+                           "current": plan.current, "tracking": {"uri": settings.mlflow_tracking_uri, "run_id": run.run_id}},
         # SPREAD: one worker per node where there are several (a RayJob has one worker pod per worker), where
         # PACK would put two CPU workers on one pod's cores and leave the other pod idle
         scaling_config=ScalingConfig(num_workers=plan.workers, use_gpu=gpus > 0, placement_strategy="SPREAD",
@@ -408,7 +408,7 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
         datasets={"train": dataset}, dataset_config=DataConfig(execution_options=ingest),
     )
     try:
-        with _Progress(settings.mlflow_tracking_uri, run_id, plan):
+        with _Progress(settings.mlflow_tracking_uri, run.run_id, plan):
             result = trainer.fit()
     except TrainingFailedError as exc:  # the run is then closed as FAILED, and nothing is registered
         cause = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
@@ -421,7 +421,7 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
     metrics = {k: v for k, v in result.metrics.items() if k in kept}
     if plan.resume_after is not None:  # (the result's metrics are the snapshot's when no epoch was left to train)
         metrics["start_epoch"] = max(metrics.get("start_epoch", 0), plan.resume_after + 1)
-    mlflow.log_metrics({f"train/{k}": v for k, v in metrics.items()})
+    run.log_metrics({f"train/{k}": v for k, v in metrics.items()})
     staged = plan.workdir / "checkpoint"  # the registered artifact's folder
     with result.checkpoint.as_directory() as folder:
         shutil.copytree(Path(folder) / EXPORT_DIR, staged, dirs_exist_ok=True)
@@ -434,7 +434,7 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
 _GALLERIES = evaluate.GalleryCache(keep=1)
 
 
-def evaluate_version(plan: Plan, trained: Path, plots: Path) -> Evaluation:
+def evaluate_version(plan: Plan, trained: Path, plots: Path, run: RunLog) -> Evaluation:
     """The trained model on the test split of every task seen so far: the parent's R matrices grow by
     one row, logged with AA / forgetting / BWT and heatmaps; from task 2 on, Mod-X's spatial disorder
     of the old tasks' test pairs between the parent and this version.
@@ -460,12 +460,12 @@ def evaluate_version(plan: Plan, trained: Path, plots: Path) -> Evaluation:
             logged.update({f"eval/{mode}/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
         logged.update({f"{mode}/AA": matrix.average_accuracy(), f"{mode}/forgetting": matrix.mean_forgetting(),
                        f"{mode}/BWT": matrix.bwt()})
-        mlflow.log_dict(matrix.to_dict(), f"matrix_{mode}.json")
+        run.log_dict(matrix.to_dict(), f"matrix_{mode}.json")
         matrix.heatmap(plots / f"{plan.run_name}-{mode}.png", title=f"R[i][j] (Rm, task-{mode}) after {plan.task.name}")
         matrix.curves(plots / f"{plan.run_name}-{mode}-recall.png", title=f"task-{mode} Rm over the stream")
         matrices[mode] = matrix
-    mlflow.log_metrics(logged)
-    zero_shot, zero_shot_pairs = _zero_shot(plan, bundle, batch)
+    run.log_metrics(logged)
+    zero_shot, zero_shot_pairs = _zero_shot(plan, bundle, batch, run)
     embedded_pairs = gallery + zero_shot_pairs
     if plan.parent:  # how the old tasks' test pairs moved from the parent to this version
         before = _GALLERIES.get(plan.parent.run_id, plan.history, batch)
@@ -477,24 +477,21 @@ def evaluate_version(plan: Plan, trained: Path, plots: Path) -> Evaluation:
         old_img, old_txt = (np.concatenate(vectors) for vectors in zip(*before))
         new_img, new_txt = (np.concatenate([getattr(e, m) for e in embedded[:-1]]) for m in ("img", "txt"))
         probe = (old_img, old_txt, new_img, new_txt)
-        mlflow.log_metrics(diagnostics.spatial_disorder(*probe))
+        run.log_metrics(diagnostics.spatial_disorder(*probe))
         diagnostics.plot_spatial_disorder(*probe, plots / f"{plan.run_name}-spatial-disorder.png",
                                           title=f"v{plan.parent.version} -> {plan.task.name}: old tasks' test pairs")
-    run = mlflow.active_run()
-    if run:  # the curves rank 0 logged while it trained
-        client = mlflow.MlflowClient()
-        histories = {key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
-                     for key in client.get_run(run.info.run_id).data.metrics if key == "loss" or key.startswith("loss/")}
-        diagnostics.plot_losses(histories, plots / f"{plan.run_name}-loss.png", title=f"training loss, {plan.task.name}")
-    mlflow.log_artifacts(str(plots), "plots")
-    if run:  # for the next task's job, whose parent this version will be
-        _GALLERIES.put(run.info.run_id, seen, embedded, batch)
-    mlflow.log_metrics({"eval/seconds": time.perf_counter() - tic, "eval/cpu_seconds": time.process_time() - cpu,
+    # the curves rank 0 logged while it trained
+    histories = {key: [(m.step, m.value) for m in run.metric_history(key)]
+                 for key in run.metrics() if key == "loss" or key.startswith("loss/")}
+    diagnostics.plot_losses(histories, plots / f"{plan.run_name}-loss.png", title=f"training loss, {plan.task.name}")
+    run.log_artifacts(plots, "plots")
+    _GALLERIES.put(run.run_id, seen, embedded, batch)  # for the next task's job, whose parent this version will be
+    run.log_metrics({"eval/seconds": time.perf_counter() - tic, "eval/cpu_seconds": time.process_time() - cpu,
                         "eval/gallery_pairs": gallery, "eval/embedded_pairs": embedded_pairs})
     return Evaluation(matrices["known"], matrices["unknown"], plots / f"{plan.run_name}-known.png", zero_shot)
 
 
-def _zero_shot(plan: Plan, bundle: models.ClipBundle, batch_size: int = 256) -> tuple[list[float], int]:
+def _zero_shot(plan: Plan, bundle: models.ClipBundle, batch_size: int, run: RunLog) -> tuple[list[float], int]:
     """Retrieval on the held-out tasks (each in its own gallery), logged per task and as the mean Rm with its
     drop from the first version evaluated on the same set; returns that mean for every such version so far, and
     the test pairs embedded."""
@@ -503,17 +500,17 @@ def _zero_shot(plan: Plan, bundle: models.ClipBundle, batch_size: int = 256) -> 
     embedded = evaluate.embed_tasks(bundle, [_task_of(e) for e in plan.zero_shot], batch_size=batch_size)
     scores = {e.task: evaluate.retrieval_metrics(e.img, e.txt, e.positive) for e in embedded}
     for name, metrics in scores.items():
-        mlflow.log_metrics({f"eval/zero_shot/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
+        run.log_metrics({f"eval/zero_shot/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
     before = (plan.parent.manifest.get("zero_shot") or {}) if plan.parent else {}
     same_set = before.get("tasks") == plan.zero_shot  # (same names, paths and data) else the history restarts
     history = [*(before.get("Rm", []) if same_set else []), float(np.mean([m["Rm"] for m in scores.values()]))]
-    mlflow.log_metrics({"zero_shot/Rm": history[-1], "zero_shot/drop": history[0] - history[-1]})
+    run.log_metrics({"zero_shot/Rm": history[-1], "zero_shot/drop": history[0] - history[-1]})
     return history, sum(len(e.txt) for e in embedded)
 
 
-def register(registry: Registry, plan: Plan, trained: Path, result: Evaluation) -> str:
+def register(registry: Registry, plan: Plan, trained: Path, result: Evaluation, run_id: str) -> str:
     """The trained folder + its manifest (lineage, matrices, config, unchanged towers) as the next
-    version of the stream, in the active run."""
+    version of the stream, the model of run `run_id`."""
     (trained / MANIFEST).write_text(json.dumps({
         "lineage": [*plan.history, plan.current],
         "matrix": {"known": result.known.to_dict(), "unknown": result.unknown.to_dict()},
@@ -523,10 +520,10 @@ def register(registry: Registry, plan: Plan, trained: Path, result: Evaluation) 
         "unchanged_towers": [t for t in ("image", "text") if plan.parent and t not in plan.method.trains_towers],
         "image_tower": plan.parent.image_tower if plan.parent and "image" not in plan.method.trains_towers else None},
         indent=2))
-    version = registry.register(trained, plan.tags)
+    version = registry.register(trained, plan.tags, run_id=run_id)
     for alias in plan.aliases:
         registry.set_alias(alias, version)
-    mlflow.set_tag("model_version", version)
+    registry.log(run_id).set_tag("model_version", version)
     return version
 
 

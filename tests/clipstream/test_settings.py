@@ -178,8 +178,8 @@ def test_importing_settings_loads_nothing_heavier_than_pydantic():
 
     heavy = ("torch", "ray", "mlflow", "open_clip", "qdrant_edge", "numpy", "grpc", "pandas", "clipstream.index",
              "clipstream.registry", "clipstream.models")
-    out = subprocess.run([sys.executable, "-c", "import clipstream.settings, sys; "
-                          f"print(','.join(m for m in {heavy!r} if m in sys.modules))"],
+    code = f"import clipstream.settings, sys; print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code],
                          capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == ""
     from clipstream import index, settings
