@@ -297,7 +297,7 @@ def fit(plan: Plan, settings: Settings, run: RunLog) -> Path:
         train_loop_config={**config, "model_source": model_source, "task_index": plan.task_index,
                            "steps_per_epoch": plan.steps_per_epoch, "fail_once": os.environ.get("CLIPSTREAM_FAIL_ONCE"),
                            # the cluster's cores, not those free at this moment, which depend on what else holds
-                           # CPUs then (train-throughput measured a lone worker at single-thread speed: 0.67x)
+                           # CPUs then (`clipstream bench train-throughput` found a lone worker at single-thread speed)
                            "threads_per_worker": max(1, int(ray.cluster_resources().get("CPU", 1)) // plan.workers),
                            "method_state": state_path, "teacher_source": teacher_source,
                            "current": plan.current, "tracking": {"uri": settings.mlflow_tracking_uri, "run_id": run.run_id}},
