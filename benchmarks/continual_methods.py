@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 
 from clipstream.benchmarks import report
 from clipstream.registry import Registry
-from clipstream.settings import Settings
+from clipstream.settings import Settings, configure_process
 from clipstream.training.data.synth import held_out_task, synthesize
 from clipstream.training.job import run_task
 from clipstream.training.methods import build
@@ -199,4 +199,5 @@ def plot_methods(results: dict[str, dict], path: Path) -> Path:
 
 
 if __name__ == "__main__":
+    configure_process()  # (under `clipstream bench` the CLI does it)
     main()

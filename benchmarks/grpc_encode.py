@@ -361,4 +361,7 @@ def plot(summary: dict, path: Path) -> Path:
 
 
 if __name__ == "__main__":
+    from clipstream.settings import configure_process
+
+    configure_process()  # (under `clipstream bench` the CLI does it)
     main()

@@ -22,7 +22,7 @@ from clipstream.benchmarks.continual_methods import add_training_arguments, seed
 from clipstream.index import NO_REINDEX, POLICIES, REINDEX, open_index
 from clipstream.indexing import evaluate_through_index, index_task
 from clipstream.registry import Registry
-from clipstream.settings import Settings
+from clipstream.settings import Settings, configure_process
 from clipstream.training import evaluate
 from clipstream.training.data.synth import synthesize, synthesize_languages
 from clipstream.training.data.task import Task
@@ -147,4 +147,5 @@ def plot(results: dict, names: list[str], path: Path) -> Path:
 
 
 if __name__ == "__main__":
+    configure_process()  # (under `clipstream bench` the CLI does it)
     main()

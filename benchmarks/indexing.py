@@ -46,7 +46,7 @@ from clipstream.benchmarks import report
 from clipstream.index import NO_REINDEX, REINDEX, VectorIndex
 from clipstream.registry import MANIFEST, Registry
 from clipstream.runtime import init_ray
-from clipstream.settings import Settings
+from clipstream.settings import Settings, configure_process
 from clipstream.training.data.synth import MIN_TASK_PAIRS, P9D_SHARES, synthesize
 from clipstream.training.data.task import Task
 from clipstream.training.methods.state import STATE_FILE, save_state
@@ -404,4 +404,5 @@ def plot(results: dict, path: Path) -> Path:
 
 
 if __name__ == "__main__":
+    configure_process()  # (under `clipstream bench` the CLI does it)
     main()

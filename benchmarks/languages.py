@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 
 from clipstream.benchmarks import report
 from clipstream.benchmarks.continual_methods import add_training_arguments, seeded
-from clipstream.settings import Settings
+from clipstream.settings import Settings, configure_process
 from clipstream.training.data.synth import synthesize_languages
 from clipstream.training.evaluate import ResultMatrix
 from clipstream.training.job import run_task
@@ -126,4 +126,5 @@ def _plot(matrices: dict[str, ResultMatrix], path: Path) -> None:
 
 
 if __name__ == "__main__":
+    configure_process()  # (under `clipstream bench` the CLI does it)
     main()

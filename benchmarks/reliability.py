@@ -231,7 +231,6 @@ def register_untrained(settings, seed: int, task_dirs, parent: str = "") -> str:
     indexing cost the same whatever the weights."""
     import json
 
-    import mlflow
     import torch
 
     from clipstream import models
@@ -249,10 +248,13 @@ def register_untrained(settings, seed: int, task_dirs, parent: str = "") -> str:
     tags = {"task": tasks[-1].name, "task_index": str(len(tasks) - 1), "method": "none", "parent_version": parent,
             "data_sha": lineage[-1]["data_sha"]}
     registry = Registry(settings)
-    with registry.run(f"bench-reliability-{seed}", tags):
-        mlflow.log_metrics({"known/AA": 50.0, "known/forgetting": 0.0})
-        return registry.register(folder, tags)
+    with registry.run(f"bench-reliability-{seed}", tags) as run_id:
+        registry.log(run_id).log_metrics({"known/AA": 50.0, "known/forgetting": 0.0})
+        return registry.register(folder, tags, run_id=run_id)
 
 
 if __name__ == "__main__":
+    from clipstream.settings import configure_process
+
+    configure_process()  # (under `clipstream bench` the CLI does it)
     main()

@@ -34,7 +34,7 @@ from clipstream.benchmarks import report
 from clipstream.benchmarks.continual_methods import add_training_arguments, check_methods, seeded
 from clipstream.benchmarks.processes import DATA_TASKS, JobCost
 from clipstream.registry import Registry
-from clipstream.settings import Settings
+from clipstream.settings import Settings, configure_process
 from clipstream.training.data.synth import MIN_TASK_PAIRS, P9D_SHARES, synthesize
 from clipstream.training.methods import resolve
 
@@ -444,4 +444,5 @@ def plot_growth(results: dict[str, dict], path: Path) -> Path:
 
 
 if __name__ == "__main__":
+    configure_process()  # (under `clipstream bench` the CLI does it)
     main()

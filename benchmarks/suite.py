@@ -33,15 +33,15 @@ PLAN: dict[str, tuple[str, list[str], list[str]]] = {
     # round of each side (its two rounds agreed within 3% in most runs): two minutes less, for the 25-minute budget
     "train-throughput": ("train-throughput", ["--epochs", "2", "--rounds", "1"],
                          ["--pairs", "256", "--epochs", "1", "--rounds", "1", "--zero-stages", "none"]),
-    # one shape each (flat, bounded by the buffer, linear) over 4 tasks: a task job takes ~20-30 s here, so the
-    # issue's 8 tasks x 5 methods (40 jobs, 16-25 min) is its own run: clipstream bench stream-growth. --quick: one
-    # method's 3 jobs (2 methods' 6 took 2.4 of --quick's 5.4 minutes, 26/11)
+    # one shape each (flat, bounded by the buffer, linear) over 4 tasks: 8 tasks x 5 methods (40 jobs) would take
+    # most of the suite's budget, so that is its own run: clipstream bench stream-growth. --quick: one method's 3 jobs
+    # (two methods took almost half of --quick's time)
     "stream-growth": ("stream-growth", ["--tasks", "4", "--methods", "finetune,er,joint"],
                       ["--tasks", "3", "--methods", "ewc"]),
-    # 2 rounds, not the script's 3: the ratios at 16 and 64 clients sit far past their target (1.2-1.5x, 25/11)
+    # 2 rounds, not the script's 3: the ratios at 16 and 64 clients sit far past their target (grpc-encode.md)
     "grpc-encode": ("grpc-encode", ["--rounds", "2"], ["--clients", "1,16", "--rounds", "1", "--modalities", "text",
                                         "--no-batching-baseline"]),
-    # 1M is its own run (search-1m.md): writing its 1M vectors (two HNSW graphs of 500k) alone takes ~12 minutes here;
+    # 1M is its own run (search-1m.md): writing its 1M vectors (two HNSW graphs of 500k) alone takes many minutes;
     # so is the uniform-vector worst case (search-uniform.md: its 100k graph alone takes over a minute to build)
     "search": ("search", ["--sizes", "10000,100000", "--append-sizes", "100000", "--uniform-size", "0"],
                ["--sizes", "10000", "--append-sizes", "", "--uniform-size", "0", "--rpc-size", "0", "--queries", "100"]),

@@ -304,4 +304,7 @@ def _waiting(rate: float, step_ms: float, batch: int) -> str:
 
 
 if __name__ == "__main__":
+    from clipstream.settings import configure_process
+
+    configure_process()  # (under `clipstream bench` the CLI does it)
     main()

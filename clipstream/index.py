@@ -24,40 +24,30 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 
 from clipstream import console
+from clipstream.settings import NO_REINDEX, POLICIES, REINDEX, Policy  # noqa: F401 (POLICIES: re-exported)
 
-Policy = Literal["no-reindex", "reindex"]
-NO_REINDEX: Policy = "no-reindex"
-REINDEX: Policy = "reindex"
-POLICIES: tuple[Policy, ...] = (NO_REINDEX, REINDEX)
 MODALITIES = ("image", "text")
 PAYLOAD_INDEXES = {"task": "keyword", "modality": "keyword", "model_version": "keyword", "index_generation": "integer"}
 BATCH = 256  # points per upsert call
 MAX_K = 1000
 Z_POOL = 100  # per-task candidates whose scores give the z-score statistics (normalize_per_task)
-# Edge segments (measured by `clipstream bench search`: recall@10 against exact numpy search, p50/p99 at 10k-1M).
-# A segment holding more than HNSW_FROM_KB of vectors gets an HNSW graph; a smaller one is scanned exactly, which
-# is faster there: a graph search with hnsw_ef 256 reads about as many vectors as a 10k-point 128-d segment holds
-# (scan 0.4-0.8 ms, warm-cold, against ~0.85 ms through the graph), and a smaller hnsw_ef loses recall even on small
-# graphs (5k clustered points: 0.984 at 64, 0.958 at 32). 100k vectors appended as 10 tasks (5k-point segments):
-# with the threshold at 2 MB every segment had a graph, task-unknown p50/p99 8.57/12.01 ms, recall 0.9997, appends
-# 34.7 s in all; scanned, 4.56/6.59 ms, recall 1.0, 14.5 s (the threshold then 10 MB). A task-known search of a
-# merged segment scans the task's points, through the payload index, below the same threshold. Vectors are
-# int8-quantised for the graph walk and scan; OVERSAMPLING x k candidates are rescored with the float32 vectors,
-# so scores are exact cosines. HNSW_EF is the candidate list of a search (recall vs time).
-# On 10 tasks of 10k clustered 128-d vectors, m=16/ef_construct=100 held recall@10 at 0.977 for hnsw_ef=128 (the
-# graph, not the int8 scores: oversampling 4 changed nothing); m=32/ef_construct=200 reached 0.997. One merged
-# segment of 100k (a reindex): task-unknown recall 0.987 at hnsw_ef=128, 0.994 at 200 and 256, p99 ~2 ms all three.
+# Edge segments. The values below were chosen with `clipstream bench search` (benchmarks/search.py: recall@10
+# against exact numpy search, p50/p99 latency at 10k-1M vectors; its results in benchmarks/results/search*.md), and
+# `clipstream bench search --hnsw-ef N` reruns the sweep. A segment holding more than HNSW_FROM_KB of vectors gets an
+# HNSW graph; a smaller one is scanned exactly, which is faster there (a graph search with hnsw_ef 256 reads about as
+# many vectors as such a segment holds) and loses no recall, where a smaller hnsw_ef loses recall even on small
+# graphs; graphs on many small appended segments also made appends and task-unknown searches slower than scans. A
+# task-known search of a merged segment scans the task's points, through the payload index, below the same
+# threshold. Vectors are int8-quantised for the graph walk and scan; OVERSAMPLING x k candidates are rescored with
+# the float32 vectors, so scores are exact cosines. HNSW_EF is the candidate list of a search (recall vs time);
+# m=32/ef_construct=200 because the recall lost at m=16/ef_construct=100 was the graph's, not the int8 scores'.
 # A larger graph needs a longer candidate list for the same recall: a segment of more than HNSW_EF_POINTS points is
-# searched with hnsw_ef = HNSW_EF x points / HNSW_EF_POINTS. One merged segment of 500k clustered 128-d images
-# (10 tasks): hnsw_ef 256 -> recall@10 0.929 task-unknown / 0.975 task-known, 512 -> 0.971 / 0.996, 1024 ->
-# 0.992 / 0.998 (p99 7.6 / 9.2 ms), 2048 -> 0.996 / 0.999 (p99 9.6 / 18.7 ms); 1024 on another build of the same
-# 1M gallery (`bench search`, search-1m.md) gave 0.987 task-unknown: graph randomness puts 1024 at the edge, so a
-# 500k segment gets 1280. `clipstream bench search --hnsw-ef N` reruns such a sweep.
+# searched with hnsw_ef = HNSW_EF x points / HNSW_EF_POINTS (graph randomness put a 500k segment at the edge of the
+# recall target at 1024, so it gets 1280).
 HNSW_M, HNSW_EF_CONSTRUCT, HNSW_EF, HNSW_FROM_KB, OVERSAMPLING = 32, 200, 256, 5000, 2.0
 HNSW_EF_POINTS = 100_000
 MERGED = "+tasks"  # names the Edge segments that hold several tasks: a reindex's or a compaction's ('+' is never in a slug)
@@ -532,7 +522,7 @@ class EdgeIndex(VectorIndex):
             quantization_config=qe.ScalarQuantizationConfig(qe.ScalarType.Int8, quantile=0.99, memory=qe.Memory.Pinned),
             payload_memory=qe.Memory.Pinned,
             # a search runs on the calling thread: handing each segment's search to Qdrant's pool cost more than the
-            # search itself (10 segments of 10k: p50 6.0 ms through the pool, 2.4 ms without)
+            # search itself (`clipstream bench search` measures it)
             max_search_threads=1,
             optimizers=qe.EdgeOptimizersConfig(default_segment_number=1, indexing_threshold=HNSW_FROM_KB),
             wal_enabled=False)
@@ -586,7 +576,7 @@ class EdgeIndex(VectorIndex):
         for ref, (flt, _) in self._by_segment(state, modality, tasks).items():
             shard, ef = self._open(ref)
             # (a segment without a graph is scanned over its int8 vectors too: scanning the float32 ones, quantisation
-            # ignored, was slower: 100k appended as 10 tasks, task-unknown p50 4.28 -> 5.09 ms; 4x the bytes to read)
+            # ignored, was slower in `clipstream bench search`: 4x the bytes to read)
             params = qe.SearchParams(hnsw_ef=max(ef, limit),
                                      quantization=qe.QuantizationSearchParams(rescore=True, oversampling=OVERSAMPLING))
             per_segment.append(shard.query_batch(qe.QueryBatchRequest([

@@ -81,7 +81,7 @@ def embed_gallery(version: Version, task: Task, task_index: int, split: str = "t
                                                      "images": images, "batch_size": batch_size},
                             batch_size=None, batch_format="numpy", num_cpus=1)
         # (this job's only: by default Ray Data holds back part of the CPUs for each operator, and on 2 cores the
-        # blocks ran one at a time: 2048 pairs took 4.6 s against 3.8 s in this process with 2 threads; now 3.4 s)
+        # blocks then ran one at a time, slower than embedding in this process; `clipstream bench indexing` measures it)
         ds.context.op_resource_reservation_enabled = False
         out = {str(r["id"]): r for r in ds.take_all()}
         missing = [i for i in ids if i not in out]

@@ -25,6 +25,7 @@ from typing import Iterator, Optional
 import mlflow
 import mlflow.pyfunc
 from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 
 from clipstream import models
@@ -35,6 +36,7 @@ CHECKSUMS = "artifact_sha256"  # version tag: {file: sha256} of the checkpoint f
 CANDIDATE = "candidate"  # the alias every newly registered version gets
 MANIFEST = "clipstream.json"  # lineage, matrix and config inside each version's checkpoint folder
 ARTIFACT = "checkpoint"  # the pyfunc artifact that holds the open_clip folder
+MODEL = "model"  # the run's artifact folder that holds the pyfunc model
 PROMOTION_TAGS = ("from_version", "to_version", "reason", "user", "time", "forced", "gates", "state")
 PENDING, DONE, ABORTED = "pending", "done", "aborted"  # a promotion record's state (see Registry.record_promotion)
 
@@ -96,6 +98,36 @@ class Version:
         return names.split(",") if names else [e["task"] for e in self.lineage]
 
 
+@dataclass(frozen=True)
+class RunLog:
+    """Logging into one MLflow run, by its id through an explicit client (never MLflow's global active run)."""
+
+    client: MlflowClient
+    run_id: str
+
+    def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+    def log_params(self, params: dict[str, object]) -> None:
+        self.client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in params.items()])
+
+    def log_dict(self, value: dict, artifact_file: str) -> None:
+        self.client.log_dict(self.run_id, value, artifact_file)
+
+    def log_artifacts(self, folder: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifacts(self.run_id, str(folder), artifact_path)
+
+    def set_tag(self, key: str, value: object) -> None:
+        self.client.set_tag(self.run_id, key, str(value))
+
+    def metric_history(self, key: str) -> list:
+        return self.client.get_metric_history(self.run_id, key)
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self.client.get_run(self.run_id).data.metrics)
+
+
 class Registry:
     """Versions, aliases, tags, lineage and promotion history of the stream `settings.stream`.
 
@@ -104,16 +136,13 @@ class Registry:
     found once is never asked again."""
 
     def __init__(self, settings: Settings, alias_ttl_s: float = 0.0):
-        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per tiny file is noise
-        # a server that does not answer is reported in seconds, not after MLflow's 7 retries (~2 min)
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+        # (no process-global MLflow state is set here: everything goes through `self.client`; the process's own
+        # MLflow set-up is `configure_process`, called by the entry points)
         self.settings = settings
         self.name = settings.stream
         self.tracking_uri = settings.mlflow_tracking_uri
         if settings.embedded_registry:
             Path(self.tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        mlflow.set_tracking_uri(self.tracking_uri)
         self.client = MlflowClient(self.tracking_uri, registry_uri=self.tracking_uri)
         self.alias_ttl_s = alias_ttl_s
         self._aliases: dict[str, tuple[float, str]] = {}
@@ -131,16 +160,35 @@ class Registry:
 
     @contextmanager
     def run(self, run_name: str, tags: dict[str, str]) -> Iterator[str]:
-        with mlflow.start_run(experiment_id=self.experiment_id(), run_name=run_name, tags=tags) as active:
-            yield active.info.run_id
+        """A new run in the stream's experiment, open while the block runs; yields its id (log into it through
+        `log(run_id)`). It ends FINISHED, or FAILED when the block raises. MLflow's global active run is not used:
+        a process's own MLflow runs are left alone."""
+        from mlflow.tracking.context import registry as context
+
+        run_id = self.client.create_run(self.experiment_id(), run_name=run_name,
+                                        tags=context.resolve_tags(tags)).info.run_id  # (+ source, user: as start_run)
+        status = "FAILED"
+        try:
+            yield run_id
+            status = "FINISHED"
+        finally:
+            self.client.set_terminated(run_id, status)
+
+    def log(self, run_id: str) -> RunLog:
+        """What a job logs into its run `run_id`, through this registry's client."""
+        return RunLog(self.client, run_id)
 
     def run_metrics(self, run_id: str) -> dict[str, float]:
         return dict(self.client.get_run(run_id).data.metrics)
 
     # ---- versions ----------------------------------------------------------------------------------------
-    def register(self, checkpoint: Path, tags: dict[str, str], alias: str = CANDIDATE) -> str:
-        """Log `checkpoint` as the active run's model, register it as the next version, tag it, alias it.
-        The lineage's task names also go in a tag, so serving can check its gallery without a download."""
+    def register(self, checkpoint: Path, tags: dict[str, str], alias: str = CANDIDATE, *, run_id: str) -> str:
+        """Log `checkpoint` as the model of run `run_id`, register it as the next version, tag it, alias it.
+        The lineage's task names also go in a tag, so serving can check its gallery without a download.
+
+        Client calls only: the pyfunc is saved to a local folder (`mlflow.pyfunc.save_model` touches no tracking
+        state), logged as the run's artifact `model`, and registered from there. (`mlflow.pyfunc.log_model` and
+        `mlflow.register_model` would need the global tracking URI and active run.)"""
         manifest = json.loads((Path(checkpoint) / MANIFEST).read_text())
         lineage = manifest.get("lineage", [])
         tags = {**tags, CHECKSUMS: json.dumps(checksums(Path(checkpoint)), separators=(",", ":")),
@@ -148,11 +196,21 @@ class Registry:
                 "languages": ",".join(_languages(lineage)),
                 "tokenizer": (manifest.get("tokenizer") or {}).get("sha", ""),
                 "image_tower": manifest.get("image_tower") or ""}
-        with tempfile.TemporaryDirectory() as code:
-            info = mlflow.pyfunc.log_model(name="model", python_model=str(Path(__file__).with_name("mlflow_model.py")),
-                                           artifacts={ARTIFACT: str(checkpoint)}, code_paths=[_own_code(Path(code))],
-                                           pip_requirements=pyfunc_requirements())
-        version = mlflow.register_model(info.model_uri, self.name, tags={k: str(v) for k, v in tags.items()}).version
+        with tempfile.TemporaryDirectory() as staging:
+            model = Path(staging) / MODEL
+            mlflow.pyfunc.save_model(str(model), python_model=str(Path(__file__).with_name("mlflow_model.py")),
+                                     artifacts={ARTIFACT: str(checkpoint)},
+                                     code_paths=[_own_code(Path(staging) / "code")],
+                                     pip_requirements=pyfunc_requirements())
+            self.client.log_artifacts(run_id, str(model), MODEL)
+        try:
+            self.client.create_registered_model(self.name)
+        except MlflowException as exc:
+            if exc.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
+                raise
+        source = f"{self.client.get_run(run_id).info.artifact_uri.rstrip('/')}/{MODEL}"
+        version = self.client.create_model_version(self.name, source, run_id,
+                                                   tags={k: str(v) for k, v in tags.items()}).version
         self.set_alias(alias, str(version))
         return str(version)
 

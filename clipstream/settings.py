@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import Field, PrivateAttr, SecretStr, model_validator
 from pydantic_settings import (
@@ -19,7 +19,30 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from clipstream.index import NO_REINDEX, Policy
+# how promotion puts a version's gallery in place (clipstream.index implements them): defined here, where a setting
+# names one, so that reading settings does not import the vector index
+Policy = Literal["no-reindex", "reindex"]
+NO_REINDEX: Policy = "no-reindex"
+REINDEX: Policy = "reindex"
+POLICIES: tuple[Policy, ...] = (NO_REINDEX, REINDEX)
+
+
+# What MLflow reads from the environment, set by `configure_process`
+MLFLOW_ENV = {
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",  # one bar per tiny file is noise
+    # a server that does not answer is reported in seconds, not after MLflow's 7 retries (minutes)
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+}
+
+
+def configure_process() -> None:
+    """The process's MLflow set-up (MLFLOW_ENV; values already set win), done once by each entry point: the CLI's
+    `main`, a Serve replica, a benchmark run as a script. Nothing else in clipstream changes the process: a
+    `Registry` reaches MLflow through its own client, so a library user's MLflow state is theirs. Before Ray starts,
+    so that the workers of a local Ray inherit it."""
+    for key, value in MLFLOW_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 def _config_file() -> Optional[Path]:

@@ -14,7 +14,7 @@ from ray.serve.generated import serve_pb2, serve_pb2_grpc
 from clipstream.services import binding, client
 from clipstream.services.encoder import Encoder
 from clipstream.services.search import Search
-from clipstream.settings import Settings
+from clipstream.settings import Settings, configure_process
 
 APP = "clipstream"
 GRPC_SERVICERS = ["clipstream.v1.encoder_pb2_grpc.add_EncoderServicer_to_server",
@@ -36,7 +36,9 @@ SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_R
 
 
 def serving_environment() -> None:
-    """Put SERVE_ENV in this process's environment (values already set win), before Ray starts."""
+    """Put SERVE_ENV and the process's MLflow set-up in this process's environment (values already set win), before
+    Ray starts: the replicas of a local Ray inherit it."""
+    configure_process()
     for key, value in SERVE_ENV.items():
         os.environ.setdefault(key, value)
 

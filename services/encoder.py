@@ -32,6 +32,7 @@ from ray import serve
 from clipstream.models import keep_freed_memory, load_image
 from clipstream.registry import Registry, RegistryError
 from clipstream.services.client import API_KEY_HEADER
+from clipstream.settings import configure_process
 from clipstream.v1 import admin_pb2, encoder_pb2, search_pb2
 
 logger = logging.getLogger("ray.serve")
@@ -76,6 +77,7 @@ class Encoder:
     """Limits (settings.serve_max_*) refuse a request with a message naming the limit and how to stay under it."""
 
     def __init__(self, search, settings, batch_wait_s: float = 0.005, alias_ttl_s: float = 2.0):
+        configure_process()  # a replica is a process of its own (on a RayService, not started by the CLI)
         self.search = search
         self.registry = Registry(settings, alias_ttl_s)
         torch.set_num_threads(max(1, int(settings.serve_encoder_cpus)))  # Ray pins 1 thread to a fractional reservation

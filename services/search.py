@@ -20,12 +20,14 @@ from ray.exceptions import RayActorError
 from clipstream.index import MAX_K, MODALITIES, VectorIndexError, open_index
 from clipstream.registry import PRODUCTION, Registry, RegistryError
 from clipstream.services.encoder import RequestError
+from clipstream.settings import configure_process
 from clipstream.v1 import admin_pb2, search_pb2
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64, health_check_period_s=2.0)
 class Search:
     def __init__(self, settings):
+        configure_process()  # a replica is a process of its own (on a RayService, not started by the CLI)
         self.settings = settings
         self.index = open_index(settings)  # Edge: reads the published manifest, reloads when it changes
         self.registry = Registry(settings)

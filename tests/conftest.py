@@ -213,7 +213,6 @@ def register_version(settings, seed: int, alias: str | None = None, task_dirs=()
     exported folder `model`) whose lineage is `task_dirs`, with the given run metrics, really registered in MLflow."""
     import json
 
-    import mlflow
     import torch
 
     from clipstream import models
@@ -232,9 +231,9 @@ def register_version(settings, seed: int, alias: str | None = None, task_dirs=()
     tags = {"task": tasks[-1].name if tasks else f"t{seed}", "task_index": str(max(len(tasks) - 1, 0)),
             "method": "finetune", "parent_version": parent, "data_sha": lineage[-1]["data_sha"] if tasks else "x"}
     registry = Registry(settings)
-    with registry.run(f"seed-{seed}", tags):
-        mlflow.log_metrics({"known/AA": aa, "known/forgetting": forgetting})
-        version = registry.register(folder, tags)
+    with registry.run(f"seed-{seed}", tags) as run_id:
+        registry.log(run_id).log_metrics({"known/AA": aa, "known/forgetting": forgetting})
+        version = registry.register(folder, tags, run_id=run_id)
     if alias:
         registry.set_alias(alias, version)
     return version

@@ -329,3 +329,8 @@ def format_scores(scores: dict[str, dict[str, dict[str, float]]]) -> str:
         for name, metrics in per_task.items():
             lines.append(f"{name:<24}" + "".join(f"{metrics[k]:>11.1f}" for k in keys))
     return "\n".join(lines)
+
+
+# the test-split vectors of the last version this process evaluated: the next task's job, when it runs in this process
+# too (a stream of `clipstream demo`, a benchmark), takes its parent's from here instead of embedding them again
+GALLERIES = GalleryCache(keep=1)

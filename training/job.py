@@ -18,21 +18,17 @@ KILLED; once the task has a version from the same parent, method and data, rerun
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-import socket
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
-import mlflow
 import numpy as np
 import ray
 import ray.data
@@ -47,15 +43,18 @@ from ray.train import (
 )
 from ray.train.torch import TorchTrainer
 
-from clipstream import console, models
-from clipstream.registry import CANDIDATE, MANIFEST, PRODUCTION, Registry, Version
+from clipstream import models
+from clipstream.registry import CANDIDATE, MANIFEST, PRODUCTION, Registry, RunLog, Version
 from clipstream.runtime import init_ray
 from clipstream.settings import Settings
-from clipstream.training import diagnostics, evaluate, launch, methods
+from clipstream.training import diagnostics, evaluate, launch, methods, resume
 from clipstream.training.data.reader import training_dataset
 from clipstream.training.data.task import DataError, Task
-from clipstream.training.engine import EXPORT_DIR, METHOD_STATE_FILE, STATE_FILE
+from clipstream.training.engine import EXPORT_DIR, METHOD_STATE_FILE
+from clipstream.training.methods.config import flatten
 from clipstream.training.methods.state import load_state, save_state
+from clipstream.training.progress import Progress
+from clipstream.training.resume import AlreadyRegistered, JobRunning  # noqa: F401 (raised by run_task and prepare)
 
 logger = logging.getLogger(__name__)
 
@@ -63,20 +62,6 @@ logger = logging.getLogger(__name__)
 class TrainingFailed(RuntimeError):
     """The job's workers failed more often than the preset allows (`train.max_failures`): a lost node, a
     crash. Not the user's input: the CLI says so in one line and exits 1."""
-
-
-class AlreadyRegistered(ValueError):
-    """The task already registered a version from the same parent with the same method on the same data: training
-    it again would give the task a second version, so a rerun is refused (exit 2) unless `retrain` asks for it."""
-
-
-class JobRunning(ValueError):
-    """A live driver on this host is training the same job (same `Plan.run_key`) now."""
-
-
-# what does not change the trained weights, left out of the run key: a rerun with more restarts allowed, other
-# logging or another evaluation batch still resumes the same run
-_NOT_TRAINED = ("train.max_failures", "train.log_every", "train.data_cpus", "eval.")
 
 
 @dataclass
@@ -101,7 +86,7 @@ class Plan:
     teacher_source: Optional[str] = None  # the frozen teacher's folder or pretrained model; None: no teacher
     state_path: Optional[Path] = None  # the method state the workers start from, as the driver holds it
     generation: int = 0  # versions the task had from this parent, method and data when the job was asked (retrain)
-    run_key: str = ""  # what this job trains, hashed: a rerun of the same job has the same (see `_run_key`)
+    run_key: str = ""  # what this job trains, hashed: a rerun of the same job has the same (see `resume.run_key`)
     ray_name: str = ""  # the Ray Train run (its folder under runs_dir): the stream, run_name and run_key
     resume_after: Optional[int] = None  # the epoch of the checkpoint the Ray Train run resumes from (None: from the start)
 
@@ -177,19 +162,20 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
     plan.gpus_per_worker, plan.aliases = gpus_per_worker, tuple(aliases)
     storage = settings.runs_dir / plan.ray_name
     try:
-        interrupted = _end_interrupted_runs(registry, plan)
-        plan.resume_after = _checkpointed_epoch(storage)
+        interrupted = resume.end_interrupted_runs(registry, plan.run_key, plan.task.name)
+        plan.resume_after = resume.checkpointed_epoch(storage)
         if plan.resume_after is not None:
             print(f"[train] resuming Ray Train run {plan.ray_name} from its checkpoint after epoch {plan.resume_after}"
                   + (f" (MLflow run {', '.join(interrupted)} interrupted: marked KILLED)" if interrupted else ""),
                   flush=True)
-        tags = {**plan.tags, "run_key": plan.run_key, "ray_run": plan.ray_name, "driver": _driver(),
+        tags = {**plan.tags, "run_key": plan.run_key, "ray_run": plan.ray_name, "driver": resume.driver(),
                 **({"resumes": ",".join(interrupted)} if interrupted else {})}
         with registry.run(plan.run_name, tags) as run_id:
-            trained = fit(plan, settings, run_id)
-            result = evaluate_version(plan, trained, settings.home / "plots" / run_id)
-            _refuse_registered(registry, plan.tags, plan.generation)  # (an identical job that finished meanwhile)
-            version = register(registry, plan, trained, result)
+            run = registry.log(run_id)
+            trained = fit(plan, settings, run)
+            result = evaluate_version(plan, trained, settings.home / "plots" / run_id, run)
+            resume.refuse_registered(registry, plan.tags, plan.generation)  # (an identical job that finished meanwhile)
+            version = register(registry, plan, trained, result, run_id)
         shutil.rmtree(storage, ignore_errors=True)  # its checkpoint is the version now: a retrain starts afresh
     finally:
         shutil.rmtree(plan.workdir, ignore_errors=True)
@@ -217,8 +203,8 @@ def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optio
                **({"lang": str(task.meta["lang"])} if task.meta.get("lang") else {})}
     tags = {"task": task.name, "task_index": str(len(parent_v.lineage) if parent_v else 0), "method": stack.name,
             "parent_version": parent_v.version if parent_v else "", "data_sha": current["data_sha"]}
-    generation = 0 if not retrain else len(_same_versions(registry, tags))
-    _refuse_registered(registry, tags, generation)
+    generation = 0 if not retrain else len(resume.same_versions(registry, tags))
+    resume.refuse_registered(registry, tags, generation)
     held_out = _zero_shot_entries(zero_shot, parent_v, [*(parent_v.lineage if parent_v else []), current])
     plan = Plan(config, stack, task, parent_v, current, [], 0, [], workers,
                 Path(tempfile.mkdtemp(prefix="clipstream-job-")), zero_shot=held_out)
@@ -230,91 +216,9 @@ def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optio
         raise
     plan.tags = tags
     plan.generation = generation
-    plan.run_key = _run_key(registry.name, config, tags, workers, generation)
+    plan.run_key = resume.run_key(registry.name, config, tags, workers, generation)
     plan.ray_name = f"{registry.name}-{plan.run_name}-{plan.run_key}"
     return plan
-
-
-def _same_versions(registry: Registry, tags: dict) -> list[Version]:
-    """The registered versions trained on the same task data from the same parent with the same method."""
-    keys = ("task", "parent_version", "method", "data_sha")
-    return [v for v in registry.versions() if all(v.tags.get(k, "") == tags[k] for k in keys)]
-
-
-def _refuse_registered(registry: Registry, tags: dict, generation: int) -> None:
-    """AlreadyRegistered when the task has more versions from this parent, method and data than the job may
-    find (`generation`: 0, or the number there were when `retrain` was asked for)."""
-    same = _same_versions(registry, tags)
-    if len(same) <= generation:
-        return
-    found = same[-1]
-    run = registry.client.get_run(found.run_id)
-    if run.info.status == "RUNNING" and not _alive(run.data.tags.get("driver", "")):  # killed just after registering
-        registry.client.set_tag(found.run_id, "interrupted", "driver gone after registering the version")
-        registry.client.set_terminated(found.run_id, "FINISHED")
-    parent = f"parent version {tags['parent_version']}" if tags["parent_version"] else "no parent"
-    raise AlreadyRegistered(f"task {tags['task']!r} already registered version {found.version} (method "
-                            f"{tags['method']!r}, {parent}, the same data): not training it again; to train it again "
-                            f"on purpose, as a new version, rerun with --retrain")
-
-
-def _run_key(stream: str, config: dict, tags: dict, workers: int, generation: int) -> str:
-    """What the job trains, hashed: the same job run again has the same key, hence the same Ray Train run."""
-    trained = {k: v for k, v in _flatten(config).items() if not k.startswith(_NOT_TRAINED)}
-    what = {"stream": stream, "config": trained, "workers": workers, "generation": generation,
-            **{k: tags[k] for k in ("task", "parent_version", "method", "data_sha")}}
-    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _driver() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def _alive(driver: str) -> bool:
-    """Whether the driver `host:pid` (a run's tag) is a live process on this host other than this one; a driver on
-    another host cannot be asked (a RayJob's submitter pod that died is retried on another)."""
-    host, _, pid = driver.rpartition(":")
-    if host != socket.gethostname() or not pid.isdigit() or int(pid) in (0, os.getpid()):
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed driver its parent has not reaped yet is a zombie: gone
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _end_interrupted_runs(registry: Registry, plan: Plan) -> list[str]:
-    """Mark KILLED the MLflow runs of this job (its run key) that a dead driver left RUNNING; returns their ids.
-    JobRunning when this job's driver is alive on this host."""
-    found = registry.client.search_runs([registry.experiment_id()], max_results=1000,
-                                        filter_string=f"tags.run_key = '{plan.run_key}' and attributes.status = 'RUNNING'")
-    for run in found:
-        driver = run.data.tags.get("driver", "")
-        if _alive(driver):
-            raise JobRunning(f"task {plan.task.name!r}: the same job is running now (MLflow run {run.info.run_id}, "
-                             f"driver pid {driver.rpartition(':')[2]}); wait for it to end")
-    for run in found:
-        registry.client.set_tag(run.info.run_id, "interrupted", "driver gone; a rerun resumed from its last checkpoint")
-        registry.client.set_terminated(run.info.run_id, "KILLED")
-    return [run.info.run_id for run in found]
-
-
-def _checkpointed_epoch(storage: Path) -> Optional[int]:
-    """The epoch of the last checkpoint Ray Train recorded for the run stored at `storage` (its checkpoint
-    manager's snapshot, which it restores when a run of that name starts again); None when there is none."""
-    try:
-        snapshot = json.loads((storage / "checkpoint_manager_snapshot.json").read_text())
-        latest = snapshot["latest_checkpoint_result"]
-        if latest is None:
-            return None
-        return int(json.loads((storage / latest["checkpoint_dir_name"] / STATE_FILE).read_text())["epoch"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def _zero_shot_entries(dirs: Iterable[str | Path], parent: Optional[Version], trained: list[dict]) -> list[dict]:
@@ -364,14 +268,14 @@ def _check_data(plan: Plan) -> None:
         print(f"[data] skipped {line}", flush=True)
 
 
-def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
-    """Train on the plan's data with `workers` Ray Train workers; returns the trained open_clip export
-    (with the method state) staged in the job's workdir."""
+def fit(plan: Plan, settings: Settings, run: RunLog) -> Path:
+    """Train on the plan's data with `workers` Ray Train workers, logging into `run` (rank 0 streams its step
+    metrics there); returns the trained open_clip export (with the method state) staged in the job's workdir."""
     config, train = plan.config, plan.config["train"]
-    mlflow.log_params({**_flatten(config), "task": plan.task.name, "parent": plan.tags["parent_version"],
-                       "workers": plan.workers, "train_rows": plan.rows})
-    mlflow.log_dict(config, "config.json")
-    mlflow.log_metric("data/skipped_rows", len(plan.skipped))
+    run.log_params({**flatten(config), "task": plan.task.name, "parent": plan.tags["parent_version"],
+                    "workers": plan.workers, "train_rows": plan.rows})
+    run.log_dict(config, "config.json")
+    run.log_metrics({"data/skipped_rows": len(plan.skipped)})
     bundle = models.create(config["model"]["arch"], plan.model_source)
     # what the workers and Ray Data's tasks read goes where Ray Train's checkpoints go: storage every node shares
     # (on Kubernetes the runs volume; HOME, where versions are downloaded, is each pod's own)
@@ -393,10 +297,10 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
         train_loop_config={**config, "model_source": model_source, "task_index": plan.task_index,
                            "steps_per_epoch": plan.steps_per_epoch, "fail_once": os.environ.get("CLIPSTREAM_FAIL_ONCE"),
                            # the cluster's cores, not those free at this moment, which depend on what else holds
-                           # CPUs then (train-throughput measured a lone worker at single-thread speed: 0.67x)
+                           # CPUs then (`clipstream bench train-throughput` found a lone worker at single-thread speed)
                            "threads_per_worker": max(1, int(ray.cluster_resources().get("CPU", 1)) // plan.workers),
                            "method_state": state_path, "teacher_source": teacher_source,
-                           "current": plan.current, "tracking": {"uri": settings.mlflow_tracking_uri, "run_id": run_id}},
+                           "current": plan.current, "tracking": {"uri": settings.mlflow_tracking_uri, "run_id": run.run_id}},
         # SPREAD: one worker per node where there are several (a RayJob has one worker pod per worker), where
         # PACK would put two CPU workers on one pod's cores and leave the other pod idle
         scaling_config=ScalingConfig(num_workers=plan.workers, use_gpu=gpus > 0, placement_strategy="SPREAD",
@@ -409,7 +313,8 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
         datasets={"train": dataset}, dataset_config=DataConfig(execution_options=ingest),
     )
     try:
-        with _Progress(settings.mlflow_tracking_uri, run_id, plan):
+        with Progress(settings.mlflow_tracking_uri, run.run_id, plan.task.name, plan.steps_per_epoch,
+                      train["epochs"]):
             result = trainer.fit()
     except TrainingFailedError as exc:  # the run is then closed as FAILED, and nothing is registered
         cause = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
@@ -422,7 +327,7 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
     metrics = {k: v for k, v in result.metrics.items() if k in kept}
     if plan.resume_after is not None:  # (the result's metrics are the snapshot's when no epoch was left to train)
         metrics["start_epoch"] = max(metrics.get("start_epoch", 0), plan.resume_after + 1)
-    mlflow.log_metrics({f"train/{k}": v for k, v in metrics.items()})
+    run.log_metrics({f"train/{k}": v for k, v in metrics.items()})
     staged = plan.workdir / "checkpoint"  # the registered artifact's folder
     with result.checkpoint.as_directory() as folder:
         shutil.copytree(Path(folder) / EXPORT_DIR, staged, dirs_exist_ok=True)
@@ -430,19 +335,14 @@ def fit(plan: Plan, settings: Settings, run_id: str) -> Path:
     return staged
 
 
-# the test-split vectors of the last version this process evaluated: the next task's job, when it runs in this process
-# too (a stream of `clipstream demo`, a benchmark), takes its parent's from here instead of embedding them again
-_GALLERIES = evaluate.GalleryCache(keep=1)
-
-
-def evaluate_version(plan: Plan, trained: Path, plots: Path) -> Evaluation:
+def evaluate_version(plan: Plan, trained: Path, plots: Path, run: RunLog) -> Evaluation:
     """The trained model on the test split of every task seen so far: the parent's R matrices grow by
     one row, logged with AA / forgetting / BWT and heatmaps; from task 2 on, Mod-X's spatial disorder
     of the old tasks' test pairs between the parent and this version.
 
     Each version embeds each task's test split once, the seen tasks' rows together in batches of `eval.batch_size`;
     the parent's vectors of the old tasks are the ones its own evaluation made when that ran in this process
-    (`_GALLERIES`), else embedded again. Logged: eval/seconds and eval/cpu_seconds (this step's wall time, and the
+    (`evaluate.GALLERIES`), else embedded again. Logged: eval/seconds and eval/cpu_seconds (this step's wall time, and the
     CPU time of this process meanwhile), eval/gallery_pairs (the union gallery of the seen tasks) and
     eval/embedded_pairs (the test pairs this step embedded, with every model)."""
     tic, cpu = time.perf_counter(), time.process_time()
@@ -461,15 +361,15 @@ def evaluate_version(plan: Plan, trained: Path, plots: Path) -> Evaluation:
             logged.update({f"eval/{mode}/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
         logged.update({f"{mode}/AA": matrix.average_accuracy(), f"{mode}/forgetting": matrix.mean_forgetting(),
                        f"{mode}/BWT": matrix.bwt()})
-        mlflow.log_dict(matrix.to_dict(), f"matrix_{mode}.json")
+        run.log_dict(matrix.to_dict(), f"matrix_{mode}.json")
         matrix.heatmap(plots / f"{plan.run_name}-{mode}.png", title=f"R[i][j] (Rm, task-{mode}) after {plan.task.name}")
         matrix.curves(plots / f"{plan.run_name}-{mode}-recall.png", title=f"task-{mode} Rm over the stream")
         matrices[mode] = matrix
-    mlflow.log_metrics(logged)
-    zero_shot, zero_shot_pairs = _zero_shot(plan, bundle, batch)
+    run.log_metrics(logged)
+    zero_shot, zero_shot_pairs = _zero_shot(plan, bundle, batch, run)
     embedded_pairs = gallery + zero_shot_pairs
     if plan.parent:  # how the old tasks' test pairs moved from the parent to this version
-        before = _GALLERIES.get(plan.parent.run_id, plan.history, batch)
+        before = evaluate.GALLERIES.get(plan.parent.run_id, plan.history, batch)
         if before is None:  # (the parent was evaluated in another process)
             parent = models.load_exported(plan.parent.folder)
             before = [(e.img, e.txt) for e in evaluate.embed_tasks(parent, [_task_of(e) for e in plan.history],
@@ -478,24 +378,21 @@ def evaluate_version(plan: Plan, trained: Path, plots: Path) -> Evaluation:
         old_img, old_txt = (np.concatenate(vectors) for vectors in zip(*before))
         new_img, new_txt = (np.concatenate([getattr(e, m) for e in embedded[:-1]]) for m in ("img", "txt"))
         probe = (old_img, old_txt, new_img, new_txt)
-        mlflow.log_metrics(diagnostics.spatial_disorder(*probe))
+        run.log_metrics(diagnostics.spatial_disorder(*probe))
         diagnostics.plot_spatial_disorder(*probe, plots / f"{plan.run_name}-spatial-disorder.png",
                                           title=f"v{plan.parent.version} -> {plan.task.name}: old tasks' test pairs")
-    run = mlflow.active_run()
-    if run:  # the curves rank 0 logged while it trained
-        client = mlflow.MlflowClient()
-        histories = {key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
-                     for key in client.get_run(run.info.run_id).data.metrics if key == "loss" or key.startswith("loss/")}
-        diagnostics.plot_losses(histories, plots / f"{plan.run_name}-loss.png", title=f"training loss, {plan.task.name}")
-    mlflow.log_artifacts(str(plots), "plots")
-    if run:  # for the next task's job, whose parent this version will be
-        _GALLERIES.put(run.info.run_id, seen, embedded, batch)
-    mlflow.log_metrics({"eval/seconds": time.perf_counter() - tic, "eval/cpu_seconds": time.process_time() - cpu,
+    # the curves rank 0 logged while it trained
+    histories = {key: [(m.step, m.value) for m in run.metric_history(key)]
+                 for key in run.metrics() if key == "loss" or key.startswith("loss/")}
+    diagnostics.plot_losses(histories, plots / f"{plan.run_name}-loss.png", title=f"training loss, {plan.task.name}")
+    run.log_artifacts(plots, "plots")
+    evaluate.GALLERIES.put(run.run_id, seen, embedded, batch)  # for the next task's job, whose parent this version will be
+    run.log_metrics({"eval/seconds": time.perf_counter() - tic, "eval/cpu_seconds": time.process_time() - cpu,
                         "eval/gallery_pairs": gallery, "eval/embedded_pairs": embedded_pairs})
     return Evaluation(matrices["known"], matrices["unknown"], plots / f"{plan.run_name}-known.png", zero_shot)
 
 
-def _zero_shot(plan: Plan, bundle: models.ClipBundle, batch_size: int = 256) -> tuple[list[float], int]:
+def _zero_shot(plan: Plan, bundle: models.ClipBundle, batch_size: int, run: RunLog) -> tuple[list[float], int]:
     """Retrieval on the held-out tasks (each in its own gallery), logged per task and as the mean Rm with its
     drop from the first version evaluated on the same set; returns that mean for every such version so far, and
     the test pairs embedded."""
@@ -504,17 +401,17 @@ def _zero_shot(plan: Plan, bundle: models.ClipBundle, batch_size: int = 256) -> 
     embedded = evaluate.embed_tasks(bundle, [_task_of(e) for e in plan.zero_shot], batch_size=batch_size)
     scores = {e.task: evaluate.retrieval_metrics(e.img, e.txt, e.positive) for e in embedded}
     for name, metrics in scores.items():
-        mlflow.log_metrics({f"eval/zero_shot/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
+        run.log_metrics({f"eval/zero_shot/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
     before = (plan.parent.manifest.get("zero_shot") or {}) if plan.parent else {}
     same_set = before.get("tasks") == plan.zero_shot  # (same names, paths and data) else the history restarts
     history = [*(before.get("Rm", []) if same_set else []), float(np.mean([m["Rm"] for m in scores.values()]))]
-    mlflow.log_metrics({"zero_shot/Rm": history[-1], "zero_shot/drop": history[0] - history[-1]})
+    run.log_metrics({"zero_shot/Rm": history[-1], "zero_shot/drop": history[0] - history[-1]})
     return history, sum(len(e.txt) for e in embedded)
 
 
-def register(registry: Registry, plan: Plan, trained: Path, result: Evaluation) -> str:
+def register(registry: Registry, plan: Plan, trained: Path, result: Evaluation, run_id: str) -> str:
     """The trained folder + its manifest (lineage, matrices, config, unchanged towers) as the next
-    version of the stream, in the active run."""
+    version of the stream, the model of run `run_id`."""
     (trained / MANIFEST).write_text(json.dumps({
         "lineage": [*plan.history, plan.current],
         "matrix": {"known": result.known.to_dict(), "unknown": result.unknown.to_dict()},
@@ -524,52 +421,13 @@ def register(registry: Registry, plan: Plan, trained: Path, result: Evaluation) 
         "unchanged_towers": [t for t in ("image", "text") if plan.parent and t not in plan.method.trains_towers],
         "image_tower": plan.parent.image_tower if plan.parent and "image" not in plan.method.trains_towers else None},
         indent=2))
-    version = registry.register(trained, plan.tags)
+    version = registry.register(trained, plan.tags, run_id=run_id)
     for alias in plan.aliases:
         registry.set_alias(alias, version)
-    mlflow.set_tag("model_version", version)
+    registry.log(run_id).set_tag("model_version", version)
     return version
 
 
-class _Progress:
-    """A progress bar of the training steps (epoch, step, loss, samples/s, ETA), drawn in the driver from what rank 0
-    logs into the task's MLflow run every `train.log_every` steps (the channel the metrics take anyway; the workers'
-    own output is in their log files)."""
-
-    def __init__(self, tracking_uri: str, run_id: str, plan: Plan, poll_s: float = 1.0):
-        from mlflow import MlflowClient
-
-        self.client, self.run_id, self.poll_s, self.epochs = MlflowClient(tracking_uri), run_id, poll_s, plan.config["train"]["epochs"]
-        self.bar = console.bar(total=plan.steps_per_epoch * self.epochs, unit="step", desc=f"train {plan.task.name}",
-                               leave=False, mininterval=0.5, dynamic_ncols=True)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="clipstream-progress", daemon=True)
-
-    def __enter__(self) -> "_Progress":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join()
-        self.bar.close()
-
-    def _run(self) -> None:
-        while not self.stop.wait(self.poll_s):
-            try:
-                self.update()
-            except Exception:  # a read that failed (the store busy) is tried again at the next poll
-                logger.debug("progress: reading the run's metrics failed", exc_info=True)
-
-    def update(self) -> None:
-        last = {k: max(self.client.get_metric_history(self.run_id, k), key=lambda m: m.step, default=None)
-                for k in ("loss", "samples_per_s", "epoch")}
-        if last["loss"] is None:
-            return
-        self.bar.n = min(last["loss"].step, self.bar.total)
-        epoch = int(last["epoch"].value) + 1 if last["epoch"] else 1
-        self.bar.set_postfix_str(f"epoch {epoch}/{self.epochs} loss {last['loss'].value:.3f}"
-                                 + (f" {last['samples_per_s'].value:.0f} samples/s" if last["samples_per_s"] else ""))
 
 
 def _share(path, dest: Path) -> Optional[str]:
@@ -600,11 +458,3 @@ def _task_of(entry: dict) -> Task:
         return Task.load(entry["path"])
     except DataError as exc:
         raise DataError(f"task {entry['task']!r} of this stream is no longer readable: {exc}") from exc
-
-
-def _flatten(config: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        out.update(_flatten(value, f"{name}.") if isinstance(value, dict) else {name: value})
-    return out

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from clipstream import console
 from clipstream.cli.parser import parser
-from clipstream.settings import Settings
+from clipstream.settings import Settings, configure_process
 
 # the commands that start Ray, DeepSpeed or Ray Serve: quiet unless -v (see clipstream.console)
 QUIET = ("train", "eval", "index", "compact", "promote", "rollback", "follow", "serve", "demo", "bench", "ui")
@@ -33,6 +33,7 @@ def _quiet(command: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    configure_process()  # the process's MLflow set-up, once, here at the door
     if args.command in QUIET and not getattr(args, "verbose", False):
         _quiet(args.command)
     # MLflow's SQL store logs a database error with its traceback before raising it; the error is ours to

@@ -41,3 +41,45 @@ def test_resolve_gives_up_with_a_clear_error(registry):
     with pytest.raises(RegistryError, match="no such model version") as err:  # no wait: at once, plain message
         registry.resolve("@s1-9", download=False)
     assert "waiting" not in str(err.value)
+
+
+def test_constructing_a_registry_leaves_the_process_as_it_was(settings):
+    import os
+
+    import mlflow
+
+    environ, uri = dict(os.environ), mlflow.get_tracking_uri()
+    registry = Registry(settings)
+    registry.experiment_id()  # (and using it)
+    assert dict(os.environ) == environ and mlflow.get_tracking_uri() == uri != settings.mlflow_tracking_uri
+
+
+def test_a_run_logs_through_its_id_and_registers_without_an_active_run(settings, stream):
+    import mlflow
+
+    from tests.conftest import register_version
+
+    registry = Registry(settings)
+    with registry.run("logged", {"task": "t"}) as run_id:
+        assert mlflow.active_run() is None
+        log = registry.log(run_id)
+        log.log_metrics({"known/AA": 12.5})
+        log.log_metrics({"loss": 2.0}, step=3)
+        log.log_params({"workers": 2})
+        log.log_dict({"a": 1}, "config.json")
+        log.set_tag("model_version", "7")
+    run = registry.client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "logged"
+    assert run.data.metrics == {"known/AA": 12.5, "loss": 2.0} and run.data.params == {"workers": "2"}
+    assert run.data.tags["task"] == "t" and run.data.tags["model_version"] == "7"
+    assert [m.step for m in log.metric_history("loss")] == [3]
+    assert [a.path for a in registry.client.list_artifacts(run_id)] == ["config.json"]
+    with pytest.raises(ZeroDivisionError), registry.run("failed", {}) as failed:
+        raise ZeroDivisionError
+    assert registry.client.get_run(failed).info.status == "FAILED"
+
+    version = register_version(settings, seed=1, task_dirs=[stream[0]], aa=40.0)  # (a pyfunc, logged by run id)
+    found = registry.resolve(version)
+    assert registry.run_metrics(found.run_id)["known/AA"] == 40.0 and found.folder.is_dir()
+    assert [a.path for a in registry.client.list_artifacts(found.run_id)] == ["model"]
+    assert mlflow.active_run() is None

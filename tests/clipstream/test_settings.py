@@ -168,3 +168,20 @@ def test_env_round_trips_defaults_and_skips_none(tmp_path, monkeypatch):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert Settings() == original
+
+
+def test_importing_settings_loads_nothing_heavier_than_pydantic():
+    """Reading settings is what every entry point does first: it must not pay for the vector index, a model
+    framework, Ray or MLflow (a fresh interpreter, so what earlier tests imported does not count)."""
+    import subprocess
+    import sys
+
+    heavy = ("torch", "ray", "mlflow", "open_clip", "qdrant_edge", "numpy", "grpc", "pandas", "clipstream.index",
+             "clipstream.registry", "clipstream.models")
+    code = f"import clipstream.settings, sys; print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code],
+                         capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == ""
+    from clipstream import index, settings
+
+    assert (index.NO_REINDEX, index.REINDEX, index.POLICIES) == (settings.NO_REINDEX, settings.REINDEX, settings.POLICIES)

@@ -415,8 +415,8 @@ def test_each_version_embeds_each_gallery_once_and_the_next_job_reuses_its_paren
             models.export(models.create(plan.config["model"]["arch"]), trained)
             save_state(plan.method.state_dict(), trained / METHOD_STATE_FILE)
             embedded.clear()
-            result = evaluate_version(plan, trained, settings.home / "plots" / run_id)
-            versions.append(register(registry, plan, trained, result))
+            result = evaluate_version(plan, trained, settings.home / "plots" / run_id, registry.log(run_id))
+            versions.append(register(registry, plan, trained, result, run_id))
             runs.append(run_id)
         gallery = sum(len(Task.load(p).check("test").rows) for p in stream[: seed + 1])
         # one model, one pass over the seen tasks' test images: nothing embedded twice, the parent embeds nothing

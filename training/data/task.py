@@ -51,7 +51,7 @@ NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # and no ".." (see T
 TEXT_FIELDS = ("id", "image", "caption", "caption_en", "label", "lang")
 CONTROL_CHARS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # C0 controls and DEL; tab is allowed
 # The same limit as clipstream.models.MAX_IMAGE_PIXELS, which a model's loader applies; not imported from
-# there, as that module loads torch and open_clip (~10 s) and checking data needs neither (a test keeps them equal).
+# there, as that module loads torch and open_clip (seconds) and checking data needs neither (a test keeps them equal).
 MAX_IMAGE_PIXELS = 4096 * 4096
 
 

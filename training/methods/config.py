@@ -170,3 +170,12 @@ def _show(value: Any) -> str:
     """A value as one would write it in YAML, on one line (and short)."""
     text = yaml.safe_dump(value, default_flow_style=True, width=10**9).strip().removesuffix("...").strip()
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def flatten(config: dict, prefix: str = "") -> dict:
+    """A resolved config as {dotted key: value}, the keys as `--set` names them (`train.lr`)."""
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        out.update(flatten(value, f"{name}.") if isinstance(value, dict) else {name: value})
+    return out
