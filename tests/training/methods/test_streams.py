@@ -42,6 +42,8 @@ def test_a_three_task_stream_carries_the_method_state(trained_stream, method, st
     rows = [len(Task.load(d).check("train").rows) for d in three_tasks]
     assert registry.resolve("3").manifest["matrix"]["known"]["tasks"] == [d.name for d in three_tasks]
     assert all("sd/image_rotation_mean" in m for m in metrics[1:])  # Mod-X's diagnostics, from task 2 on
+    if method == "ewc_modx_ctp_er":  # EWC, Mod-X and CTP train both towers: its own image vectors are indexed
+        assert registry.resolve("3").manifest["unchanged_towers"] == [] and registry.resolve("3").image_tower == "3"
 
     for component in method.split("_"):
         state = [s[component] for s in states]
