@@ -25,6 +25,26 @@ def test_the_report_checks_lines_processes_and_that_the_searches_come_last(tmp_p
                         "ends with the searches (1 = yes)": False, "exit status": True}
 
 
+def test_a_process_that_exits_on_its_own_soon_after_is_not_left_behind_one_that_stays_is():
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    marker = f"CLIPSTREAM_TEST_MARK={uuid.uuid4().hex}"
+    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
+    late = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"], env=env)
+    stays = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    try:
+        left = bench.still_running(marker + "\0", grace_s=0.5, most_s=6)
+        assert left == [f"{stays.pid} {sys.executable} -c import time; time.sleep(60) "], left
+        assert late.poll() == 0
+    finally:
+        stays.kill()
+        stays.wait()
+        late.wait()
+
+
 @pytest.mark.slow
 def test_the_demo_is_quiet_ends_with_its_searches_and_leaves_no_process(tmp_path):
     """The first run a newcomer makes, shortened (one domain task + digits, one epoch): fewer than 80 lines on the
