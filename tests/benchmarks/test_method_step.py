@@ -3,9 +3,12 @@ targets it is held to, and the profile of where a step's time goes."""
 
 import json
 
+import pytest
+
 from clipstream.benchmarks import method_step as bench
 
 
+@pytest.mark.slow  # a real run of the benchmark (every method's step, a profile): the full tier
 def test_a_small_run_times_each_method_profiles_it_and_checks_the_targets(tmp_path):
     out = tmp_path / "method-step.md"
     text = bench.main(["--methods", "finetune,ewc,teir", "--profile", "ewc", "--steps", "1", "--rounds", "1",

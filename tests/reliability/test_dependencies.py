@@ -64,6 +64,7 @@ def test_a_vector_store_that_does_not_answer_is_one_line(settings, stream, monke
     assert "\n" not in err and err.startswith("clipstream: error:") and "Traceback" not in err, err
 
 
+@pytest.mark.slow  # a dependency fault that waits out SQLite's busy timeout: the full tier, with the other faults
 def test_a_locked_registry_database_is_one_line_and_changes_nothing(settings, stream, capsys):
     """Another process holding the SQLite registry's write lock (a long migration, a stuck writer): a command that
     must write reports it in one line (exit 1), and nothing was registered or moved."""
