@@ -192,7 +192,8 @@ def writer_lock_free(settings: Settings) -> None:
 
     def take():
         with open_index(settings) as index, index._writing():
-            taken.set()
+            pass
+        taken.set()  # once released too: the caller opens the index next (local mode allows one client at a time)
 
     threading.Thread(target=take, daemon=True).start()
     assert taken.wait(60), "the writer lock is still held after its holder was killed"
