@@ -40,7 +40,7 @@ def serving(two_tasks, tmp_path_factory):
 
 def test_the_promoted_version_serves_its_stream_over_grpc(serving, two_tasks, stream, monkeypatch, capsys):
     settings, client, promoted = serving
-    _, first, second = two_tasks
+    *_, second = two_tasks
     registry = Registry(settings)
     assert registry.resolve(PRODUCTION).version == second.version == "2"
     assert promoted["from_version"] == "" and not promoted["forced"] and all(g.passed for g in promoted["gates"])
@@ -63,8 +63,7 @@ def test_the_promoted_version_serves_its_stream_over_grpc(serving, two_tasks, st
     assert version == "2" and np.allclose(vectors, bundle.embed_texts(captions), atol=1e-5)
 
     # search over gRPC ranks the stored gallery as the model does in process: task-known and task-unknown
-    images = {name: bundle.embed_images([Task.load(d).root / r["image"] for r in rows])
-              for d, (name, rows) in zip(stream, test_rows.items())}
+    images = {t.name: bundle.embed_images([t.root / r["image"] for r in test_rows[t.name]]) for t in tasks}
     for task in ("", tasks[1].name):
         scope = [tasks[1].name] if task else list(test_rows)
         ids = [r["id"] for name in scope for r in test_rows[name]]
