@@ -62,7 +62,7 @@ def deepspeed_config(train: dict, world_size: int, total_steps: int) -> dict:
         },
         "scheduler": {
             "type": "WarmupCosineLR",
-            "params": {"total_num_steps": max(total_steps, 1), "warmup_num_steps": max(1, min(train["warmup_steps"], total_steps - 1)),
+            "params": {"total_num_steps": max(total_steps, 1), "warmup_num_steps": warmup_steps(train, total_steps),
                        "warmup_type": "linear", "cos_min_ratio": train["min_lr_ratio"]},
         },
         "gradient_clipping": train["grad_clip"],
@@ -71,6 +71,13 @@ def deepspeed_config(train: dict, world_size: int, total_steps: int) -> dict:
         "fp16": {"enabled": precision == "fp16"},
         "steps_per_print": 10**9,
     }
+
+
+def warmup_steps(train: dict, total_steps: int) -> int:
+    """The task's linear warm-up: `warmup_steps`, or `warmup_ratio` of its steps where that is more (the papers give
+    warm-up as epochs or a fraction, which depends on the task's size), at least 1 and short of the last step."""
+    wanted = max(train["warmup_steps"], round(train.get("warmup_ratio", 0.0) * total_steps))
+    return max(1, min(wanted, total_steps - 1))
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None = None, lr_scale=None) -> list[dict]:

@@ -78,9 +78,9 @@ EXAMPLES = {
 
 def parser() -> argparse.ArgumentParser:
     from clipstream.index import NO_REINDEX, POLICIES
-    from clipstream.training.methods.config import PRESETS, load_presets, method_presets
+    from clipstream.training.methods.config import PRESETS, SCALES, load_presets, method_presets
 
-    shipped = method_presets(load_presets(PRESETS))  # not the user's file: a bad one is an error of `main`, not of --help
+    shipped = [n for n in method_presets(load_presets(PRESETS)) if not n.endswith(tuple(f"-{s}" for s in SCALES))]  # not the user's file: a bad one is an error of `main`, not of --help
     p = _Parser(prog="clipstream", description=DESCRIPTION)
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True)
@@ -109,7 +109,8 @@ def parser() -> argparse.ArgumentParser:
 
     def training_args(q, method: bool = True):
         if method:
-            q.add_argument("--method", default="finetune", help=f"a method preset: {', '.join(shipped)} "
+            q.add_argument("--method", default="finetune", help=f"a method preset: {', '.join(shipped)}; each also "
+                           f"as METHOD-{' / METHOD-'.join(SCALES)}: a pretrained CLIP on GPUs at its paper's settings "
                            "(or one of CLIPSTREAM_PRESETS)")
         q.add_argument("--workers", type=int, default=2, help="Ray Train workers")
         q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a preset value, e.g. train.epochs=2")

@@ -7,6 +7,7 @@ from clipstream.training.engine import (
     deepspeed_config,
     param_groups,
     prepare_for_deepspeed,
+    warmup_steps,
 )
 from clipstream.training.methods import resolve
 
@@ -33,6 +34,16 @@ def test_warmup_never_exceeds_the_task_and_bad_precision_is_refused():
     assert deepspeed_config(no_warmup, 1, total_steps=1)["scheduler"]["params"]["warmup_num_steps"] == 1
     with pytest.raises(ValueError, match="precision must be"):
         deepspeed_config({**train, "precision": "fp8"}, 1, 10)
+
+
+def test_warmup_is_the_larger_of_its_steps_and_its_fraction_of_the_task():
+    train = resolve("finetune", ["train.warmup_steps=10", "train.warmup_ratio=0.2"])["train"]
+    assert warmup_steps(train, 1000) == 200  # the fraction, where it is more
+    assert warmup_steps(train, 20) == 10  # the steps, where they are more
+    assert deepspeed_config(train, 1, total_steps=1000)["scheduler"]["params"]["warmup_num_steps"] == 200
+    assert warmup_steps({**train, "warmup_steps": 0, "warmup_ratio": 0.0}, 50) == 1  # DeepSpeed's least
+    with pytest.raises(ValueError, match="warmup_ratio"):
+        resolve("finetune", ["train.warmup_ratio=1.0"])
 
 
 def test_param_groups_exclude_gains_biases_embeddings_and_logit_scale_from_decay():

@@ -17,6 +17,7 @@ from clipstream.training.methods import schema
 
 PRESETS = Path(__file__).with_name("presets.yaml")
 BASE = "base"  # the preset every other one inherits from; not a method of its own
+SCALES = ("vit-b-16", "vit-b-32")  # every method is also shipped as `<method>-<scale>`: a pretrained CLIP on GPUs
 
 
 class _Loader(yaml.SafeLoader):

@@ -38,6 +38,8 @@ class TrainSection(Section):
                                                              description="AdamW's β1 and β2")
     eps: float = Field(gt=0, description="AdamW's ε")
     warmup_steps: int = Field(ge=0, description="linear warmup steps at the start of every task")
+    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="linear warmup as a fraction of the task's optimizer "
+                                "steps, or warmup_steps where that is more")
     min_lr_ratio: float = Field(ge=0, le=1, description="cosine floor, as a fraction of lr: warmup + cosine restart "
                                 "every task")
     grad_clip: float = Field(ge=0, description="max gradient norm, 0 = off: open_clip's default")

@@ -5,7 +5,7 @@ import copy
 import pytest
 
 from clipstream.training.methods import METHODS, build, schema
-from clipstream.training.methods.config import BASE, PRESETS, load_presets, merge, method_presets, resolve
+from clipstream.training.methods.config import BASE, PRESETS, SCALES, load_presets, merge, method_presets, resolve
 
 
 def raw(name, overrides=(), presets=None):
@@ -39,7 +39,7 @@ def test_shipped_presets_resolve_with_all_base_keys_and_build_their_methods():
     from clipstream.training.methods import build
 
     presets = load_presets()
-    assert set(presets) == {"base", *SHIPPED}
+    assert set(presets) == {"base", *SHIPPED, *(f"{name}-{scale}" for name in SHIPPED for scale in SCALES)}
     base = presets["base"]
     for name, components in SHIPPED.items():
         config = resolve(name)
@@ -56,6 +56,40 @@ def test_shipped_presets_resolve_with_all_base_keys_and_build_their_methods():
     assert resolve("finetune")["model"]["arch"] == "clipstream-vit-tiny"
     assert resolve("finetune")["train"]["lr"] == pytest.approx(1e-3)
     assert resolve("ctp_er")["method"]["er"] == resolve("er")["method"]["er"]  # composed, each with its own params
+
+
+@pytest.mark.parametrize("scale,arch,batch", [("vit-b-16", "ViT-B-16-quickgelu", 128), ("vit-b-32", "ViT-B-32-quickgelu", 256)])
+def test_every_method_at_scale_is_a_pretrained_clip_in_bf16_with_its_papers_values(scale, arch, batch):
+    import open_clip
+
+    for name, components in SHIPPED.items():
+        config = resolve(f"{name}-{scale}")
+        assert [c.name for c in build(config).components] == components  # the same method, at another scale
+        assert config["method"] == {k: {**resolve(name)["method"][k], **v} for k, v in config["method"].items()}
+        model, train = config["model"], config["train"]
+        # OpenAI's weights were trained with QuickGELU: open_clip's `-quickgelu` config is the one that matches them
+        assert model["arch"] == arch and "openai" in open_clip.list_pretrained_tags_by_model(arch)
+        # CLL-CLIP's per-row decay edits fp32 weights that ZeRO and mixed precision would overwrite
+        fp32 = name in ("cllclip", "teir")
+        assert (train["precision"], train["zero_stage"]) == (("fp32", 0) if fp32 else ("bf16", 2)), name
+        assert train["micro_batch"] == (128 if fp32 else 70 if (name, scale) == ("modx", "vit-b-32") else batch), name
+        assert train["warmup_ratio"] > 0 or name in ("ctp", "ctp_er")  # CTP's schedule has no warm-up
+    assert resolve(f"cclip-{scale}")["method"]["cclip"]["text_lr_scale"] == 10.0  # C-CLIP: text LR = 10 x image LR
+    assert resolve(f"cclip-{scale}")["train"]["epochs"] == 40
+    ctp = resolve(f"ctp-{scale}")
+    assert ctp["method"]["ctp"]["queue_size"] == 1024 and ctp["train"]["weight_decay"] == 0.05
+    for workers in (1, 2, 4):  # the queue is filled by whole global batches
+        assert ctp["method"]["ctp"]["queue_size"] % (ctp["train"]["micro_batch"] * workers) == 0
+    assert resolve(f"ctp_er-{scale}")["method"]["er"]["buffer_pairs"] == 10000
+    assert resolve(f"modx-{scale}")["method"]["modx"]["alpha"] == 20.0
+    assert resolve(f"ewc-{scale}")["method"]["ewc"]["weight"] == 2500.0  # λ/2, CTP's λ = 5000
+    assert resolve(f"teir-{scale}")["method"]["cllclip"]["teir_init"] is True
+    assert resolve(f"teir-{scale}")["train"] == resolve(f"cllclip-{scale}")["train"]
+
+
+def test_mod_x_on_vit_b_32_starts_from_openai_weights_at_its_papers_rate():
+    train = resolve("modx-vit-b-32")["train"]
+    assert train["lr"] == pytest.approx(1e-6) and train["epochs"] == 35 and train["betas"] == [0.9, 0.99]
 
 
 def test_component_overrides_and_unknown_components():
