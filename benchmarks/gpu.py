@@ -35,6 +35,7 @@ import functools
 import io
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -471,12 +472,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     p.add_argument("--cpu", action="store_true", help="run every part tiny on the CPU (tiny arch, 2 steps): a smoke "
                    "test of this script")
     p.add_argument("--out", default=str(report.RESULTS / "gpu.md"))
+    if "--cpu" in (sys.argv[1:] if argv is None else argv):  # the tiny sizes, unless given on the command line
+        p.set_defaults(**TINY)
     args = p.parse_args(argv)
-    if args.cpu:  # the tiny sizes, unless given on the command line
-        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or []) if a.startswith("--")}
-        for key, value in TINY.items():
-            if key not in given:
-                setattr(args, key, value)
     command = (f"clipstream bench gpu --arch {args.arch} --batch {args.batch} --steps {args.steps} --warmup {args.warmup} "
                f"--methods {args.methods} --method-batch {args.method_batch} --cycles {args.cycles} "
                f"--encode-batch {args.encode_batch} --encode-images {args.encode_images} --encode-texts {args.encode_texts} "
