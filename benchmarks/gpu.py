@@ -20,9 +20,13 @@ process without Ray, MLflow or Qdrant; without CUDA, a results file that says it
 Input loading is not measured in (a)-(c): random or preprocessed batches already on the GPU.
 
 On the team's GPU machine (Python 3.12, torch preinstalled, no Ray, no network), after `benchmarks/gpu_setup.sh` has
-built the wheels here:
+built the wheels here into build/gpu-wheels/ (git-ignored: the device tool carries it, `carry: ["build/gpu-wheels"]`),
+one command line from the repository root, writing under the tool's $OUT (and not run from the root itself: there,
+`python -m` would import the repository's `clipstream/` folder instead of the installed package):
 
-    pip install --no-index --no-deps build/gpu-wheels/*.whl && clipstream bench gpu
+    python3 -m pip install -q --no-index --no-deps build/gpu-wheels/*.whl && cd "$OUT" && python3 -m clipstream.cli bench gpu --out "$OUT/gpu.md"
+
+then copy gpu.md and gpu.json into benchmarks/results/. Sized to finish in a few minutes on one H100/H200.
 
 `--cpu` runs every part tiny on the CPU (tiny arch, 2 steps): the tests' proof that the code path works. Never a CI
 requirement. Writes benchmarks/results/gpu.md (and gpu.json, its checks).
@@ -374,7 +378,8 @@ def measure_embed(arch: str, pairs: int, batch: int, device, rounds: int, workdi
 def skipped(out: Path, reason: str, command: str) -> str:
     """The results file of a run without a GPU: what would have been measured and why it was not."""
     return report.write(out, ["# GPU: clipstream's layers against plain PyTorch / open_clip on one GPU", "",
-                              f"Reproduce (on a machine with a CUDA GPU): `{SETUP} && {command}`", "",
+                              f"Reproduce (on a machine with a CUDA GPU, the wheels built by "
+                              f"`benchmarks/gpu_setup.sh`): `{SETUP} && {command}`", "",
                               f"Device: {report.device()}.", "",
                               f"Skipped: {reason}. Nothing was measured; run it on a CUDA machine to fill this file."])
 
@@ -464,10 +469,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     p.add_argument("--method-batch", type=int, default=128)
     p.add_argument("--cycles", type=int, default=10, help="(c): steps of every method, taking turns")
     p.add_argument("--encode-batch", type=int, default=256)
-    p.add_argument("--encode-images", type=int, default=2048, help="(d): images per round")
+    p.add_argument("--encode-images", type=int, default=1024, help="(d): images per round")
     p.add_argument("--encode-texts", type=int, default=8192, help="(d): texts per round")
     p.add_argument("--eval-pairs", type=int, default=1024, help="(e): test pairs of the synthetic task")
-    p.add_argument("--rounds", type=int, default=3, help="(d), (e): timed rounds, the best kept")
+    p.add_argument("--rounds", type=int, default=2, help="(d), (e): timed rounds, the best kept")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's peak dense bf16 TFLOP/s (default: by name)")
     p.add_argument("--cpu", action="store_true", help="run every part tiny on the CPU (tiny arch, 2 steps): a smoke "
                    "test of this script")
