@@ -9,7 +9,9 @@ and each group runs through its model once, on a thread of its own: the replica'
 requests while the model computes, so under load the next batch is full when the model is free (run on the
 loop, batches at 16-64 clients held 2-4 requests; benchmarks/grpc_encode.py). Loaded versions live in a per-replica cache
 (`@serve.multiplexed`); `production` is re-resolved every few seconds, so moving the alias swaps the
-model without a restart, and every response names the version that made its vectors.
+model without a restart, and every response names the version that made its vectors. A replica given a GPU
+(settings.serve_encoder_gpus) loads every version onto it in half precision (settings.embed_precision), through the
+Ray-free model path of services/encoding.py; the vectors are unit float32 either way.
 """
 
 from __future__ import annotations

@@ -157,6 +157,7 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
                              f"{PRODUCTION!r} or {CANDIDATE!r})")
     methods.resolve(method, overrides)  # a bad preset or --set fails here, before anything is written
     settings = (settings or Settings()).ensure_dirs()
+    models.placement(settings.embed_precision)  # the evaluation's, refused here if this process cannot run it
     registry = Registry(settings)
     plan = prepare(registry, task_dir, method, parent, workers, overrides, wait_parent_s, zero_shot, retrain)
     plan.gpus_per_worker, plan.aliases = gpus_per_worker, tuple(aliases)
