@@ -126,8 +126,8 @@ def synced(step: Callable[[dict], object], device) -> Callable[[dict], None]:
     return run
 
 
-def engine_for(arch: str, batch: int, precision: str, total_steps: int, zero_stage: int = 0, method: str = "finetune"):
-    """A DeepSpeed engine, the method and its first task's context, built as a task job's worker builds them."""
+def engine_for(arch: str, batch: int, precision: str, total_steps: int, zero_stage: int = 0):
+    """A DeepSpeed engine, the finetune method and its first task's context, built as a task job's worker builds them."""
     import deepspeed
     import torch
 
@@ -137,7 +137,7 @@ def engine_for(arch: str, batch: int, precision: str, total_steps: int, zero_sta
     from clipstream.training.methods.base import TaskContext
     from clipstream.training.methods.config import resolve
 
-    config = resolve(method, [f"model.arch={arch}", f"train.micro_batch={batch}", f"train.precision={precision}",
+    config = resolve("finetune", [f"model.arch={arch}", f"train.micro_batch={batch}", f"train.precision={precision}",
                               f"train.zero_stage={zero_stage}"])
     train = config["train"]
     torch.manual_seed(train["seed"])
@@ -206,6 +206,8 @@ def measure_zero(arch: str, batch: int, steps: int, warmup: int, device, stages=
     data = [random_batch(models.create(arch).model, batch, device, torch.bfloat16)]  # (ZeRO 3 partitions the engine's)
     out = {}
     for stage in stages:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         try:
             engine, method, ctx = engine_for(arch, batch, "bf16", steps + warmup + 1, zero_stage=stage)
             times = []
@@ -222,8 +224,6 @@ def measure_zero(arch: str, batch: int, steps: int, warmup: int, device, stages=
         except Exception as exc:  # noqa: BLE001 (a stage that cannot run is a result: the report names the error)
             out[stage] = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
         _free(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
     return out
 
 
