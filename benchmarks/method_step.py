@@ -74,9 +74,10 @@ def batches(task: Task, bundle, size: int, count: int) -> list[dict]:
     return [{"image": torch.stack(images[i:i + size]), "text": texts[i:i + size]} for i in range(0, len(rows), size)]
 
 
-def second_task(name: str, task: Task, data: list[dict], batch: int, workdir: Path):
-    """An engine, the method, its context and its batches as a task job has them on its second task."""
-    config = resolve(name, [f"train.micro_batch={batch}"])
+def second_task(name: str, task: Task, data: list[dict], batch: int, workdir: Path, overrides: Sequence[str] = ()):
+    """An engine, the method, its context and its batches as a task job has them on its second task (`overrides`:
+    more `--set`s of the preset, such as the architecture and precision; `data` already on the engine's device)."""
+    config = resolve(name, [f"train.micro_batch={batch}", *overrides])
     train, arch = config["train"], config["model"]["arch"]
     torch.manual_seed(0)
     method = methods.build(config)
@@ -104,18 +105,22 @@ def second_task(name: str, task: Task, data: list[dict], batch: int, workdir: Pa
     return engine, method, ctx, data
 
 
-def plain_step(model: torch.nn.Module) -> Callable[[dict], None]:
+def plain_step(model: torch.nn.Module, autocast: torch.dtype | None = None) -> Callable[[dict], None]:
     """The step an open_clip user writes (open_clip's ClipLoss, torch's AdamW, no DeepSpeed, no method) on `model`:
-    the row that shows what clipstream's step itself costs over it."""
+    the row that shows what clipstream's step itself costs over it. `autocast`: the forward under torch.autocast in
+    that dtype on the model's device (open_clip's own `--precision amp_bf16`)."""
     from open_clip.loss import ClipLoss
 
     model.train()
     opt, loss_fn = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), ClipLoss()
+    device = next(model.parameters()).device.type
 
     def step(batch: dict) -> None:
-        image, text, scale = model(batch["image"], batch["text"])[:3]
+        with torch.autocast(device, dtype=autocast or torch.float32, enabled=autocast is not None):
+            image, text, scale = model(batch["image"], batch["text"])[:3]
+            loss = loss_fn(image, text, scale)
         opt.zero_grad(set_to_none=True)
-        loss_fn(image, text, scale).backward()
+        loss.backward()
         opt.step()
     return step
 

@@ -2,8 +2,8 @@
 It joins the registry and the index (ground floor) with the task data (training), so it stands on top.
 
 `index_task` embeds one task's gallery with a version as a Ray Data batch-inference job (a task per block of
-rows on each CPU, in worker processes that keep the model; a gallery below `Settings.index_ray_min_rows` pairs in
-this process) and stores it under the no-reindex or reindex policy; `put_lineage` makes the index hold
+rows on each CPU, in worker processes that keep the model, or with `Settings.index_gpus` actors that hold it on their
+GPU; a gallery below `Settings.index_ray_min_rows` pairs in this process, on its GPU if it has one) and stores it under the no-reindex or reindex policy; `put_lineage` makes the index hold
 every task a version was trained through (what promotion needs); `evaluate_through_index` scores retrieval
 by querying the stored vectors, so the no-reindex policy (old vectors from old versions, queries from the
 latest) can be measured with the same R@K as the in-memory evaluator.
@@ -30,22 +30,21 @@ BLOCK_ROWS = 256  # rows per task of the embedding job: enough tasks to keep eve
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_bundle(folder: str, stamp: tuple) -> models.ClipBundle:
+def _cached_bundle(folder: str, stamp: tuple, precision: str) -> models.ClipBundle:
     models.keep_freed_memory()  # a process that embeds block after block
-    return models.load_exported(folder)
+    return models.load_exported(folder).to(*models.placement(precision, gpu=False))
 
 
-def _bundle(folder: str | Path) -> models.ClipBundle:
+def _bundle(folder: str | Path, precision: str = "auto") -> models.ClipBundle:
     """The exported model in `folder`, loaded once per process (the weights' size and mtime in the key all the
     same): a Ray worker process keeps it, with torch and open_clip imported, for the job's next block and for the
     next job's, where an actor pool would start new processes that import and load again for every job."""
     st = (Path(folder) / models.WEIGHTS_FILE).stat()
-    return _cached_bundle(str(folder), (st.st_size, st.st_mtime_ns))
+    return _cached_bundle(str(folder), (st.st_size, st.st_mtime_ns), precision)
 
 
-def _embed_batch(batch: dict, *, folder: str, root: str, images: bool, batch_size: int) -> dict:
-    """A Ray Data task: a block of a split's rows in, both embeddings out, by the model this process holds."""
-    bundle = _bundle(folder)
+def _embed_rows(bundle: models.ClipBundle, batch: dict, root: str, images: bool, batch_size: int) -> dict:
+    """A block of a split's rows in, both embeddings out."""
     out = {"id": np.asarray([str(i) for i in batch["id"]]),
            "text_vec": bundle.embed_texts([str(c) for c in batch["caption"]], batch_size)}
     if images:
@@ -54,20 +53,50 @@ def _embed_batch(batch: dict, *, folder: str, root: str, images: bool, batch_siz
     return out
 
 
+def _embed_batch(batch: dict, *, folder: str, precision: str, **rows) -> dict:
+    """A Ray Data CPU task: a block embedded by the model this process holds."""
+    return _embed_rows(_bundle(folder, precision), batch, **rows)
+
+
+class _GpuEmbedder:
+    """A Ray Data actor on the GPU Ray gave it (Settings.index_gpus): the model loaded onto it once, every block
+    the actor is handed embedded there. An actor, not tasks, because a GPU is held by the process that put the
+    model on it."""
+
+    def __init__(self, folder: str, precision: str):
+        models.keep_freed_memory()
+        self.bundle = models.load_exported(folder).to(*models.placement(precision, gpu=True))
+
+    def __call__(self, batch: dict, **rows) -> dict:
+        return _embed_rows(self.bundle, batch, **rows)
+
+
+def _gpu_actors(gpus: float) -> int:
+    """How many embedding actors of `gpus` GPUs each the cluster holds; a ValueError when not one fits (the job
+    would wait for a GPU forever)."""
+    total = ray.cluster_resources().get("GPU", 0)
+    if total < gpus:
+        raise ValueError(f"index_gpus={gpus:g} but the cluster has {total:g} GPUs: lower CLIPSTREAM_INDEX_GPUS "
+                         "(0 embeds on the CPUs)")
+    return int(total // gpus)
+
+
 def embed_gallery(version: Version, task: Task, task_index: int, split: str = "test", batch_size: int = 64,
-                  stored_images: Optional[dict] = None, ray_min_rows: int = 0) -> TaskVectors:
+                  stored_images: Optional[dict] = None, ray_min_rows: int = 0, gpus: float = 0,
+                  precision: str = "auto") -> TaskVectors:
     """A task split embedded by `version`, rows in the split's order. `stored_images` (item_id -> vector
     bytes, from the index) replaces image embedding when the version's image tower did not change.
 
     A gallery of at least `ray_min_rows` pairs is a Ray Data job: the split in blocks of `BLOCK_ROWS` rows, each a
     task on one CPU (Ray gives it one torch thread), as many at once as the cluster has CPUs, in worker processes
     that keep the model between blocks and jobs (`_bundle`). A smaller gallery is embedded here, in batches of the
-    same size: starting the job costs more than it does."""
+    same size: starting the job costs more than it does. With `gpus` > 0 the blocks go to actors of `gpus` GPUs
+    each (as many as the cluster's GPUs hold), their model on the GPU; `precision` as `models.placement` takes it."""
     rows = task.check(split).rows
     ids = [str(r["id"]) for r in rows]
     images = stored_images is None
     if len(rows) < ray_min_rows:  # (not `_bundle`: this process may be a long-lived server, which keeps no model)
-        bundle = models.load_exported(version.folder)
+        bundle = models.load_exported(version.folder).to(*models.placement(precision))
         text = bundle.embed_texts([str(r["caption"]) for r in rows], batch_size)
         image = bundle.embed_images([task.image(r) for r in rows], batch_size) if images else None
     else:
@@ -77,9 +106,16 @@ def embed_gallery(version: Version, task: Task, task_index: int, split: str = "t
         else:  # ids, captions and image paths: the rows this process has just read to check them
             ds = ray.data.from_items([{"id": i, "caption": str(r["caption"]), "image": str(r["image"])}
                                       for i, r in zip(ids, rows)], override_num_blocks=blocks)
-        ds = ds.map_batches(_embed_batch, fn_kwargs={"folder": str(version.folder), "root": str(task.root),
-                                                     "images": images, "batch_size": batch_size},
-                            batch_size=None, batch_format="numpy", num_cpus=1)
+        rows_kwargs = {"root": str(task.root), "images": images, "batch_size": batch_size}
+        if gpus:
+            ds = ds.map_batches(_GpuEmbedder, fn_constructor_kwargs={"folder": str(version.folder), "precision": precision},
+                                fn_kwargs=rows_kwargs, concurrency=_gpu_actors(gpus), num_gpus=gpus, batch_size=None,
+                                batch_format="numpy")
+        else:
+            models.placement(precision, gpu=False)  # a precision the CPU cannot run is refused here, not in a task
+            ds = ds.map_batches(_embed_batch, fn_kwargs={"folder": str(version.folder), "precision": precision,
+                                                         **rows_kwargs},
+                                batch_size=None, batch_format="numpy", num_cpus=1)
         # (this job's only: by default Ray Data holds back part of the CPUs for each operator, and on 2 cores the
         # blocks then ran one at a time, slower than embedding in this process; `clipstream bench indexing` measures it)
         ds.context.op_resource_reservation_enabled = False
@@ -114,7 +150,7 @@ def index_task(settings: Settings, version_ref: str, task_dir: str | Path, polic
         index.progress = True
         if policy == NO_REINDEX:
             index.append(embed_gallery(version, task, lineage[task.name][0], split,
-                                       ray_min_rows=settings.index_ray_min_rows))
+                                       ray_min_rows=settings.index_ray_min_rows, **_on(settings)))
             state = _compacted(index, settings)
         else:
             names = list(index.state()["tasks"]) + [task.name]
@@ -122,7 +158,7 @@ def index_task(settings: Settings, version_ref: str, task_dir: str | Path, polic
             if unknown:
                 raise ValueError(f"reindex refused: indexed task(s) {unknown} are not in this version's lineage")
             state = index.reindex([_regallery(index, registry, version, n, lineage, split, settings.index_ray_min_rows,
-                                              reuse_images) for n in sorted(dict.fromkeys(names), key=lambda n: lineage[n][0])])
+                                              reuse_images, **_on(settings)) for n in sorted(dict.fromkeys(names), key=lambda n: lineage[n][0])])
     return _record(registry, version.version, state, policy)
 
 
@@ -141,13 +177,15 @@ def put_lineage(settings: Settings, version: Version, split: str = "test") -> di
             for name, (i, entry) in lineage.items():
                 if name not in state["tasks"]:
                     task = _task_of(entry, "indexing", "keep the data of every task a version may need to index")
-                    gallery = embed_gallery(version, task, i, split, ray_min_rows=settings.index_ray_min_rows)
+                    gallery = embed_gallery(version, task, i, split, ray_min_rows=settings.index_ray_min_rows,
+                                            **_on(settings))
                     index.append(gallery)
                     state = _record(registry, version.version, _compacted(index, settings), NO_REINDEX)
         elif set(state["tasks"]) != set(lineage) or any(t["model_version"] != version.version
                                                         for t in state["tasks"].values()):
             state = _record(registry, version.version,
-                            index.reindex([_regallery(index, registry, version, n, lineage, split, settings.index_ray_min_rows)
+                            index.reindex([_regallery(index, registry, version, n, lineage, split, settings.index_ray_min_rows,
+                                                      **_on(settings))
                                            for n in lineage]), REINDEX)
         # Search switches its query encoder here, with the gallery in place (a reindex already pinned it)
         return index.pin(version.version) if state["tasks"] else state
@@ -182,7 +220,7 @@ def _task_of(entry: dict, step: str, advice: str) -> Task:
 
 
 def _regallery(index: VectorIndex, registry: Registry, version: Version, name: str, lineage: dict, split: str,
-               ray_min_rows: int = 0, reuse_images: bool = True) -> TaskVectors:
+               ray_min_rows: int = 0, reuse_images: bool = True, gpus: float = 0, precision: str = "auto") -> TaskVectors:
     """Task `name` embedded by `version` for a reindex. Its stored image vectors are kept when the version that
     made them has this version's image tower (CLL-CLIP trains the text side only): re-embedding would give the
     same vectors, and images cost most of a gallery's embedding time."""
@@ -193,7 +231,12 @@ def _regallery(index: VectorIndex, registry: Registry, version: Version, name: s
     same = reuse_images and stored is not None and \
         registry.resolve(stored["model_version"], download=False).image_tower == version.image_tower
     return embed_gallery(version, task, task_index, split, stored_images=index.points(name, "image") if same else None,
-                         ray_min_rows=ray_min_rows)
+                         ray_min_rows=ray_min_rows, gpus=gpus, precision=precision)
+
+
+def _on(settings: Settings) -> dict:
+    """Where and in which dtype the settings embed a gallery (embed_gallery's `gpus` and `precision`)."""
+    return {"gpus": settings.index_gpus, "precision": settings.embed_precision}
 
 
 def _compacted(index: VectorIndex, settings: Settings) -> dict:

@@ -60,11 +60,16 @@ class ClipBundle:
     def embed_dim(self) -> int:
         return int(self.model_cfg["embed_dim"])
 
+    def to(self, device: str | torch.device, dtype: torch.dtype = torch.float32) -> "ClipBundle":
+        """The model moved to `device` and cast to `dtype` (what `placement` chose), for embedding: in place,
+        returns the bundle. The embeddings stay unit float32 rows whatever the dtype (`_embed`)."""
+        self.model = self.model.to(device=device, dtype=dtype)
+        return self
+
     def embed_texts(self, texts: Sequence[str], batch_size: int = 256) -> np.ndarray:
         """Unit rows float32 [N, D] for `texts`, in batches of `batch_size`."""
         texts = [str(t) for t in texts]
-        return self._embed(texts, batch_size, lambda chunk: self.model.encode_text(self.tokenizer(chunk).to(self.device),
-                                                                                   normalize=True))
+        return self._embed(texts, batch_size, lambda chunk: self.model.encode_text(self.tokenizer(chunk).to(self.device)))
 
     def embed_images(self, images: Sequence[ImageSource], batch_size: int = 256) -> np.ndarray:
         """Unit rows float32 [N, D] for images given as PIL images, encoded bytes or paths (`load_image`),
@@ -81,7 +86,7 @@ class ClipBundle:
         return self._embed(pixels, batch_size, self._encode_pixels)
 
     def _encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.model.encode_image(pixels.to(device=self.device, dtype=self.dtype), normalize=True)
+        return self.model.encode_image(pixels.to(device=self.device, dtype=self.dtype))
 
     @property
     def device(self) -> torch.device:
@@ -94,19 +99,44 @@ class ClipBundle:
     @torch.no_grad()
     def _embed(self, items: list | torch.Tensor, batch_size: int, encode: Callable) -> np.ndarray:
         """Eval mode while embedding (dropout off), the caller's mode restored, so this can run between
-        training steps; open_clip normalises (`normalize=True`), once."""
+        training steps. Normalised here, in float32: a model in bf16 or fp16 gives unit float32 rows too."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         was_training = self.model.training
         self.model.eval()
         try:
-            out = [encode(items[s:s + batch_size]).float().cpu() for s in range(0, len(items), batch_size)]
+            out = [torch.nn.functional.normalize(encode(items[s:s + batch_size]).float(), dim=-1).cpu()
+                   for s in range(0, len(items), batch_size)]
         finally:
             self.model.train(was_training)
         return torch.cat(out).numpy() if out else np.zeros((0, self.embed_dim), np.float32)
 
 
 ImageSource = Union[Image.Image, bytes, str, Path, IO[bytes]]
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # what a model embeds in (Settings.embed_precision)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def placement(precision: str = "auto", gpu: Optional[bool] = None,
+              bf16: Optional[bool] = None) -> tuple[torch.device, torch.dtype]:
+    """Where a model embeds and in which dtype, from what the process was given: on the GPU when it has one (`gpu`;
+    None: torch.cuda.is_available(), which under Ray means the task or actor was given a GPU), else on the CPU.
+    `auto`: half precision on a GPU, bf16 where it supports it (`bf16`; None: ask torch), fp16 otherwise; fp32 on
+    the CPU. An explicit precision the device cannot run is refused with a ValueError: bf16 on a GPU without it,
+    fp16 on the CPU (which has no fast half kernels); bf16 on the CPU runs (slowly where the CPU lacks it)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    if gpu and bf16 is None:
+        bf16 = torch.cuda.is_bf16_supported()
+    if precision == "auto":
+        precision = ("bf16" if bf16 else "fp16") if gpu else "fp32"
+    elif precision == "bf16" and gpu and not bf16:
+        raise ValueError("precision bf16: this GPU does not support bfloat16; use fp16, fp32 or auto")
+    elif precision == "fp16" and not gpu:
+        raise ValueError("precision fp16 needs a GPU (this process has none); use fp32, bf16 or auto")
+    return torch.device("cuda" if gpu else "cpu"), DTYPES[precision]
 
 
 # glibc's malloc hands a freed block above its mmap threshold straight back to the kernel, and trims the heap whenever

@@ -25,6 +25,7 @@ Policy = Literal["no-reindex", "reindex"]
 NO_REINDEX: Policy = "no-reindex"
 REINDEX: Policy = "reindex"
 POLICIES: tuple[Policy, ...] = (NO_REINDEX, REINDEX)
+Precision = Literal["auto", "fp32", "bf16", "fp16"]  # (clipstream.models.placement reads it)
 
 
 # What MLflow reads from the environment, set by `configure_process`
@@ -86,11 +87,18 @@ class Settings(BaseSettings):
     index_policy: Policy = Field(NO_REINDEX, description="how promotion puts the gallery in place")
     index_ray_min_rows: int = Field(1024, ge=0, description="a gallery with fewer pairs is embedded in the indexing "
                                     "process, not as a Ray Data job (whose start-up costs more than embedding it)")
+    index_gpus: float = Field(0, ge=0, description="GPUs each embedding actor of the indexing job asks Ray for (0: "
+                              "CPU tasks); with GPUs, one actor per index_gpus of the cluster's GPUs, its model on the GPU")
+    embed_precision: Precision = Field("auto", description="the dtype a model embeds in when serving, indexing and "
+                                       "evaluating: auto is bf16 on a GPU that has it (else fp16) and fp32 on the CPU; "
+                                       "vectors are unit float32 either way")
     index_compact_segments: int = Field(4, ge=0, description="when no-reindex appends leave more segments per "
                                         "modality than this, the indexing job merges them into one (a task-unknown "
                                         "search reads each: `clipstream compact`); 0: never")
     serve_replicas: int = Field(1, ge=1, description="Encoder replicas")
     serve_encoder_cpus: float = Field(0.5, ge=0, description="CPUs each Encoder replica reserves (0 shares the cores)")
+    serve_encoder_gpus: float = Field(0, ge=0, description="GPUs each Encoder replica asks Ray for (0: the CPU); a "
+                                      "replica given one loads its models onto it (the Search deployment holds none)")
     serve_search_cpus: float = Field(0.25, ge=0, description="CPUs the Search deployment reserves")
     serve_batch_size: int = Field(32, ge=1, description="most requests one @serve.batch call gathers")
     serve_model_cache: int = Field(3, ge=1, description="model versions each Encoder replica keeps loaded")

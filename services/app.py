@@ -44,10 +44,12 @@ def serving_environment() -> None:
 
 
 def build(settings) -> serve.Application:
-    """Replicas, reserved CPUs, batch size, model cache and request limits all come from settings.serve_*."""
+    """Replicas, reserved CPUs and GPUs, batch size, model cache and request limits all come from settings.serve_*.
+    Only the Encoder asks for GPUs: Search holds no model (it encodes queries through the Encoder)."""
     search = Search.options(ray_actor_options={"num_cpus": settings.serve_search_cpus}).bind(settings)
     return Encoder.options(num_replicas=settings.serve_replicas,
-                           ray_actor_options={"num_cpus": settings.serve_encoder_cpus}).bind(search, settings)
+                           ray_actor_options={"num_cpus": settings.serve_encoder_cpus,
+                                              "num_gpus": settings.serve_encoder_gpus}).bind(search, settings)
 
 
 def app(args: dict) -> serve.Application:

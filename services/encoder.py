@@ -9,7 +9,9 @@ and each group runs through its model once, on a thread of its own: the replica'
 requests while the model computes, so under load the next batch is full when the model is free (run on the
 loop, batches at 16-64 clients held 2-4 requests; benchmarks/grpc_encode.py). Loaded versions live in a per-replica cache
 (`@serve.multiplexed`); `production` is re-resolved every few seconds, so moving the alias swaps the
-model without a restart, and every response names the version that made its vectors.
+model without a restart, and every response names the version that made its vectors. A replica given a GPU
+(settings.serve_encoder_gpus) loads every version onto it in half precision (settings.embed_precision), through the
+Ray-free model path of services/encoding.py; the vectors are unit float32 either way.
 """
 
 from __future__ import annotations
@@ -19,12 +21,11 @@ import hmac
 import logging
 import re
 import uuid
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 
 import grpc
 import numpy as np
+import ray
 import torch
 from PIL import UnidentifiedImageError
 from ray import serve
@@ -32,6 +33,7 @@ from ray import serve
 from clipstream.models import keep_freed_memory, load_image
 from clipstream.registry import Registry, RegistryError
 from clipstream.services.client import API_KEY_HEADER
+from clipstream.services.encoding import ModelPath
 from clipstream.settings import configure_process
 from clipstream.v1 import admin_pb2, encoder_pb2, search_pb2
 
@@ -82,6 +84,9 @@ class Encoder:
         self.registry = Registry(settings, alias_ttl_s)
         torch.set_num_threads(max(1, int(settings.serve_encoder_cpus)))  # Ray pins 1 thread to a fractional reservation
         keep_freed_memory()  # every batch re-allocates what the last one freed
+        # the GPU Ray gave this replica (settings.serve_encoder_gpus), if any: Ray's own record, since with none
+        # asked Ray may leave the node's GPUs visible to torch all the same
+        self.path = ModelPath(settings.embed_precision, gpu=bool(ray.get_gpu_ids()) and torch.cuda.is_available())
         self.settings = settings
         self._entries: dict = {}  # version -> its registry entry (languages, tokenizer), read once
         self.batches_seen: list[int] = []  # sizes of recent batches: shows batching at work (tests, debugging)
@@ -95,7 +100,7 @@ class Encoder:
         self._prepare = ThreadPoolExecutor(max(1, int(settings.serve_encoder_cpus)), thread_name_prefix="prepare")
 
         async def load(version: str):
-            return self.registry.load(version)
+            return self.path.place(self.registry.load(version))
 
         # made here, not as a decorated method, so the cache bound comes from Settings (Serve detects it either way)
         self.model = serve.multiplexed(max_num_models_per_replica=settings.serve_model_cache)(load)
@@ -131,7 +136,7 @@ class Encoder:
         else:  # decoded, checked and made into the model's input off the event loop (`pixels`)
             bundle = await self.model(version)
             inputs = await asyncio.get_running_loop().run_in_executor(
-                self._prepare, lambda: bundle.pixels(self._validate(modality, items)))
+                self._prepare, lambda: self.path.prepare(bundle, self._validate(modality, items)))
         return version, await self._encode((version, modality, inputs))
 
     async def ready(self) -> dict[str, bool]:
@@ -240,20 +245,5 @@ class Encoder:
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
     async def _encode(self, requests: list[tuple[str, str, list]]) -> list[np.ndarray]:
         self.batches_seen = (self.batches_seen + [len(requests)])[-1000:]
-        groups: dict[tuple[str, str], list[int]] = defaultdict(list)
-        for i, (version, modality, _) in enumerate(requests):
-            groups[(version, modality)].append(i)
-        out: list = [None] * len(requests)
-        for (version, modality), members in groups.items():
-            bundle = await self.model(version)
-            if modality == "text":
-                flat, embed = [x for i in members for x in requests[i][2]], bundle.embed_texts
-            else:  # each request's pixels, prepared already
-                flat, embed = torch.cat([requests[i][2] for i in members]), bundle.embed_pixels
-            vectors = await asyncio.get_running_loop().run_in_executor(self._compute,
-                                                                       partial(embed, flat, batch_size=len(flat)))
-            start = 0
-            for i in members:
-                n = len(requests[i][2])
-                out[i], start = vectors[start:start + n], start + n
-        return out
+        bundles = {version: await self.model(version) for version in dict.fromkeys(r[0] for r in requests)}
+        return await asyncio.get_running_loop().run_in_executor(self._compute, ModelPath.encode, requests, bundles)

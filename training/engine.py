@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import deepspeed
-import ray.train
 import torch
 from torch.profiler import record_function
 
@@ -119,6 +118,8 @@ def train_step(engine, method, task_ctx: TaskContext, batch: dict) -> tuple[torc
 def train_loop(config: dict) -> None:
     """`TorchTrainer` entry point. `config`: the resolved preset plus `model_source`, `teacher_source` (None: no
     teacher), `method_state`, `steps_per_epoch`, `task_index`, `tracking` (MLflow URI and run id for live metrics)."""
+    import ray.train  # here, not at the top: `train_step` is also measured where Ray is not installed (bench gpu)
+
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # our own progress lines say enough
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -195,6 +196,8 @@ def train_loop(config: dict) -> None:
 
 def _report_epoch(engine, method, bundle, epoch: int, step: int, rank: int, metrics: dict) -> None:
     """Every rank saves its DeepSpeed shard; rank 0 adds the method state, position and an open_clip export."""
+    import ray.train
+
     with tempfile.TemporaryDirectory() as folder:
         engine.save_checkpoint(folder, tag=CKPT_TAG)
         if rank == 0:

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
-from matplotlib.figure import Figure
 
 KS = (1, 5, 10)
 _QUERY_CHUNK = 2048  # query rows scored at once, so union galleries never need a full [Q, G] matrix
@@ -205,6 +204,8 @@ class ResultMatrix:
     def heatmap(self, path: str | Path, title: str = "R[i][j] (Rm)") -> Path:
         """Write the matrix as an annotated PNG heatmap (blank above the diagonal); returns the path.
         Uses a bare Figure (Agg canvas) so no pyplot/global backend state is touched."""
+        from matplotlib.figure import Figure  # (here: the embed path also runs where matplotlib is not installed)
+
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         v, n = self.values, len(self.tasks)
@@ -232,6 +233,8 @@ class ResultMatrix:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         v, n = self.values, len(self.tasks)
+        from matplotlib.figure import Figure
+
         fig = Figure(figsize=(2.5 + 0.9 * max(n, 2), 4), layout="constrained")
         ax = fig.add_subplot()
         for j, task in enumerate(self.tasks):

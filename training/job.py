@@ -157,6 +157,7 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
                              f"{PRODUCTION!r} or {CANDIDATE!r})")
     methods.resolve(method, overrides)  # a bad preset or --set fails here, before anything is written
     settings = (settings or Settings()).ensure_dirs()
+    models.placement(settings.embed_precision)  # the evaluation's, refused here if this process cannot run it
     registry = Registry(settings)
     plan = prepare(registry, task_dir, method, parent, workers, overrides, wait_parent_s, zero_shot, retrain)
     plan.gpus_per_worker, plan.aliases = gpus_per_worker, tuple(aliases)
@@ -173,7 +174,7 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
         with registry.run(plan.run_name, tags) as run_id:
             run = registry.log(run_id)
             trained = fit(plan, settings, run)
-            result = evaluate_version(plan, trained, settings.home / "plots" / run_id, run)
+            result = evaluate_version(plan, trained, settings.home / "plots" / run_id, run, settings.embed_precision)
             resume.refuse_registered(registry, plan.tags, plan.generation)  # (an identical job that finished meanwhile)
             version = register(registry, plan, trained, result, run_id)
         shutil.rmtree(storage, ignore_errors=True)  # its checkpoint is the version now: a retrain starts afresh
@@ -284,6 +285,8 @@ def fit(plan: Plan, settings: Settings, run: RunLog) -> Path:
     # (the teacher is most often the parent, which is the model: copied once)
     teacher_source = model_source if plan.teacher_source == plan.model_source else _share(plan.teacher_source, shared / "teacher")
     init_ray(settings)
+    gpus = plan.gpus_per_worker if plan.gpus_per_worker is not None else float(torch.cuda.is_available())
+    check_placement(plan.workers, gpus, ray.cluster_resources())
     deterministic = train["deterministic"]
     teacher_tokens = _tokenizer_spec(teacher_source, bundle.arch) if plan.method.teacher_text else None
     dataset = training_dataset(plan.sources, bundle.model.visual.preprocess_cfg, _tokenizer_spec(model_source, bundle.arch),
@@ -291,7 +294,6 @@ def fit(plan: Plan, settings: Settings, run: RunLog) -> Path:
                                teacher_tokenizer=teacher_tokens)
     ingest = DataConfig.default_ingest_options()
     ingest.preserve_order = deterministic  # rows reach the workers in the same order on every run
-    gpus = plan.gpus_per_worker if plan.gpus_per_worker is not None else float(torch.cuda.is_available())
     trainer = TorchTrainer(
         launch.train_loop,
         train_loop_config={**config, "model_source": model_source, "task_index": plan.task_index,
@@ -335,7 +337,16 @@ def fit(plan: Plan, settings: Settings, run: RunLog) -> Path:
     return staged
 
 
-def evaluate_version(plan: Plan, trained: Path, plots: Path, run: RunLog) -> Evaluation:
+def check_placement(workers: int, gpus_per_worker: float, cluster: dict) -> None:
+    """Refuse (TrainingFailed) a job whose workers' GPUs the cluster (`ray.cluster_resources()`) does not have
+    in all: Ray Train would wait for them without end. (An autoscaling cluster reports only the GPUs it has now.)"""
+    have = cluster.get("GPU", 0)
+    if gpus_per_worker and workers * gpus_per_worker > have:
+        raise TrainingFailed(f"the cluster cannot place the job: {workers} workers × {gpus_per_worker:g} GPUs, cluster "
+                             f"has {have:g}; lower --workers or --gpus-per-worker (0: CPU workers)")
+
+
+def evaluate_version(plan: Plan, trained: Path, plots: Path, run: RunLog, precision: str = "auto") -> Evaluation:
     """The trained model on the test split of every task seen so far: the parent's R matrices grow by
     one row, logged with AA / forgetting / BWT and heatmaps; from task 2 on, Mod-X's spatial disorder
     of the old tasks' test pairs between the parent and this version.
@@ -344,10 +355,12 @@ def evaluate_version(plan: Plan, trained: Path, plots: Path, run: RunLog) -> Eva
     the parent's vectors of the old tasks are the ones its own evaluation made when that ran in this process
     (`evaluate.GALLERIES`), else embedded again. Logged: eval/seconds and eval/cpu_seconds (this step's wall time, and the
     CPU time of this process meanwhile), eval/gallery_pairs (the union gallery of the seen tasks) and
-    eval/embedded_pairs (the test pairs this step embedded, with every model)."""
+    eval/embedded_pairs (the test pairs this step embedded, with every model). The models embed on this process's GPU
+    if it has one (`models.placement` with `precision`), else on its CPU."""
     tic, cpu = time.perf_counter(), time.process_time()
     batch = int(plan.config.get("eval", {}).get("batch_size", 256))
-    bundle = models.load_exported(trained)
+    placed = models.placement(precision)
+    bundle = models.load_exported(trained).to(*placed)
     seen = [*plan.history, plan.current]
     embedded = evaluate.embed_tasks(bundle, [_task_of(e) for e in seen], batch_size=batch)
     gallery = sum(len(e.txt) for e in embedded)
@@ -371,7 +384,7 @@ def evaluate_version(plan: Plan, trained: Path, plots: Path, run: RunLog) -> Eva
     if plan.parent:  # how the old tasks' test pairs moved from the parent to this version
         before = evaluate.GALLERIES.get(plan.parent.run_id, plan.history, batch)
         if before is None:  # (the parent was evaluated in another process)
-            parent = models.load_exported(plan.parent.folder)
+            parent = models.load_exported(plan.parent.folder).to(*placed)
             before = [(e.img, e.txt) for e in evaluate.embed_tasks(parent, [_task_of(e) for e in plan.history],
                                                                      batch_size=batch)]
             embedded_pairs += sum(len(txt) for _, txt in before)

@@ -23,7 +23,7 @@ def _eval(args) -> None:
 
     settings = Settings()
     version = Registry(settings).resolve(args.version or CANDIDATE)
-    bundle = models.load_exported(version.folder)
+    bundle = models.load_exported(version.folder).to(*models.placement(settings.embed_precision))
     tasks = [Task.load(p) for p in args.task] or [Task.load(e["path"]) for e in version.lineage]
     if args.through_index:
         from clipstream.index import open_index

@@ -288,3 +288,24 @@ def test_train_is_quiet_beside_another_ray_and_leaves_nothing_behind(ray_cluster
     assert still_running(f"CLIPSTREAM_HOME={home}\0") == []  # (those that exit on their own within seconds aside)
     # this session's Ray, running all along, was neither joined nor disturbed
     assert ray_cluster.get(ray_cluster.remote(lambda: 41 + 1).remote()) == 42
+
+
+@pytest.mark.slow  # (a local Ray of its own: the same refusal is in the quick tier through run_task, tests/training)
+def test_train_asking_gpus_a_cpu_machine_lacks_exits_1_in_one_line_and_registers_nothing(cli_process, stream, tmp_path):
+    import os
+    import time
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("CLIPSTREAM_", "RAY_"))},
+           "CLIPSTREAM_HOME": str(tmp_path / "home")}
+    tic = time.monotonic()
+    done = cli_process("train", "--task", stream[0], "--workers", "2", "--gpus-per-worker", "1", env=env, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert time.monotonic() - tic < 120  # (Ray Train would wait for the GPUs without end)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("clipstream: error")]
+    assert errors == ["clipstream: error: the cluster cannot place the job: 2 workers × 1 GPUs, cluster has 0; lower "
+                      "--workers or --gpus-per-worker (0: CPU workers)"]
+    assert "Traceback" not in done.stderr
+    from clipstream.registry import Registry
+    from clipstream.settings import Settings
+
+    assert Registry(Settings(home=tmp_path / "home")).versions() == []

@@ -170,6 +170,17 @@ def test_the_ray_data_job_and_the_in_process_path_embed_alike(trained, ray_clust
     assert np.allclose(by_ray.image, here.image, atol=1e-6) and np.allclose(by_ray.text, here.text, atol=1e-6)
 
 
+def test_embedding_actors_asking_more_gpus_than_the_cluster_has_are_refused_before_the_job(trained, ray_cluster):
+    from clipstream.indexing import embed_gallery
+
+    settings, dirs = trained
+    version, task = Registry(settings).resolve("2"), Task.load(dirs[1])
+    with pytest.raises(ValueError, match="index_gpus=1 but the cluster has 0 GPUs: lower CLIPSTREAM_INDEX_GPUS"):
+        embed_gallery(version, task, 1, ray_min_rows=0, gpus=1)
+    with pytest.raises(ValueError, match="fp16 needs a GPU"):  # refused here, not in every Ray task
+        embed_gallery(version, task, 1, ray_min_rows=0, precision="fp16")
+
+
 def _gallery_task(root, n: int, fmt: str) -> Task:
     """A task whose test split has n pairs, as image files + jsonl or as two WebDataset shards."""
     import io

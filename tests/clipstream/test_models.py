@@ -222,3 +222,43 @@ def test_keep_freed_memory_stops_every_step_faulting_its_memory_in_again():
                                        check=True).stdout) for mode in ("default", "keep")}
     assert faults["default"] > 10 * 16384 * 0.9, faults
     assert faults["keep"] < 1000, faults
+
+
+@pytest.mark.parametrize("precision, gpu, bf16, device, dtype", [
+    ("auto", False, None, "cpu", torch.float32),  # the embedded default: as before, fp32 on the CPU
+    ("auto", True, True, "cuda", torch.bfloat16),
+    ("auto", True, False, "cuda", torch.float16),  # a GPU without bf16 (V100, T4)
+    ("fp32", True, True, "cuda", torch.float32),
+    ("fp16", True, True, "cuda", torch.float16),
+    ("bf16", False, None, "cpu", torch.bfloat16)])
+def test_placement_follows_the_gpu_the_process_has_and_the_precision_asked(precision, gpu, bf16, device, dtype):
+    assert models.placement(precision, gpu=gpu, bf16=bf16) == (torch.device(device), dtype)
+
+
+@pytest.mark.parametrize("precision, gpu, bf16, words", [
+    ("bf16", True, False, "this GPU does not support bfloat16"), ("fp16", False, None, "fp16 needs a GPU"),
+    ("half", False, None, "precision must be one of auto, fp32, bf16, fp16")])
+def test_placement_refuses_a_precision_the_device_cannot_run(precision, gpu, bf16, words):
+    with pytest.raises(ValueError, match=words):
+        models.placement(precision, gpu=gpu, bf16=bf16)
+
+
+def test_placement_asks_torch_what_the_process_has_when_not_told(monkeypatch):
+    # (no GPU here: what torch answers is set, so that both answers run on any machine)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert models.placement() == (torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert models.placement() == (torch.device("cuda"), torch.float16)
+
+
+def test_a_bundle_in_half_precision_still_embeds_unit_float32_rows():
+    torch.manual_seed(0)
+    bundle = models.create("clipstream-vit-tiny")
+    texts, images = ["a red cup", "a navy lamp on a striped background"], [Image.new("RGB", (40, 40), c) for c in ("red", "navy")]
+    full = bundle.embed_texts(texts), bundle.embed_images(images)
+    assert bundle.to("cpu", torch.bfloat16) is bundle and bundle.dtype == torch.bfloat16
+    half = bundle.embed_texts(texts), bundle.embed_images(images)
+    for h, f in zip(half, full):
+        assert h.dtype == np.float32 and np.allclose(np.linalg.norm(h, axis=1), 1, atol=1e-6)
+        assert (h * f).sum(axis=1).min() > 0.99  # the same directions, to bf16's precision

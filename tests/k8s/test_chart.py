@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import math
 import os
 import re
 import subprocess
@@ -194,13 +195,17 @@ def check_ray_pods(docs: list[dict], gpus: int) -> None:
         assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
         assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                         "capabilities": {"drop": ["ALL"]}}
+    # the serve workers hold GPUs only when the Encoder asks for them: one setting drives both
+    asked = float(settings_map(docs)["CLIPSTREAM_SERVE_ENCODER_GPUS"])
+    assert math.ceil(asked) == gpus
     for group in workers:
         (c,) = group["template"]["spec"]["containers"]
         limits = c["resources"]["limits"]
         if gpus:
-            assert limits["nvidia.com/gpu"] == gpus
+            assert limits["nvidia.com/gpu"] == gpus and group["rayStartParams"]["num-gpus"] == str(gpus)
         else:
             assert "nvidia.com/gpu" not in limits and "nvidia.com/gpu" not in c["resources"]["requests"]
+            assert "num-gpus" not in group["rayStartParams"]
     sa = one(docs, "ServiceAccount", RELEASE)
     assert sa["automountServiceAccountToken"] is False
     runs = one(docs, "PersistentVolumeClaim", f"{RELEASE}-runs")
@@ -493,6 +498,13 @@ def test_external_services(monkeypatch, tmp_path):
     check_references(docs, secrets_rendered=True)
     check_selectors(docs)
     check_security(docs)
+
+
+@pytest.mark.parametrize("asked, pod_gpus", [("0", 0), ("0.5", 1), ("2", 2)])
+def test_serve_workers_request_the_gpus_the_encoder_asks_for(asked, pod_gpus, monkeypatch, tmp_path):
+    docs = objects(helm_template("--set-json", f"settings.serve_encoder_gpus={asked}"))
+    check_ray_pods(docs, pod_gpus)
+    check_settings(docs, monkeypatch, tmp_path)
 
 
 def test_values_schema_rejects_wrong_values():

@@ -15,9 +15,11 @@ IMPORT_PATH = "clipstream.services.app:app"
 def test_the_import_path_builds_the_app_from_the_environment(settings, monkeypatch):
     monkeypatch.setenv("CLIPSTREAM_SERVE_ENCODER_CPUS", "0.25")
     monkeypatch.setenv("CLIPSTREAM_SERVE_REPLICAS", "3")
+    monkeypatch.setenv("CLIPSTREAM_SERVE_ENCODER_GPUS", "1")  # (the chart's ConfigMap key)
     app = build_from_config(import_attr(IMPORT_PATH), {})
     encoder = app._bound_deployment
-    assert (encoder.name, encoder.num_replicas, encoder.ray_actor_options) == ("Encoder", 3, {"num_cpus": 0.25})
+    assert (encoder.name, encoder.num_replicas, encoder.ray_actor_options) == ("Encoder", 3, {"num_cpus": 0.25,
+                                                                                               "num_gpus": 1.0})
     assert build_from_config(import_attr(IMPORT_PATH), {"serve_replicas": 2})._bound_deployment.num_replicas == 2
 
 

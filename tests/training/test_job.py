@@ -1,5 +1,6 @@
 """End to end on the embedded stack: Ray Train + DeepSpeed on 2 workers, MLflow on SQLite."""
 
+import time
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from clipstream.registry import Registry, RegistryError
 from clipstream.training import evaluate
 from clipstream.training.data.synth import held_out_task
 from clipstream.training.data.task import DataError, Task
-from clipstream.training.job import run_task
+from clipstream.training.job import TrainingFailed, check_placement, run_task
 from tests.conftest import DETERMINISTIC, FAST
 
 
@@ -139,4 +140,25 @@ def test_a_task_too_small_for_one_step_is_refused_before_training(settings, stre
 def test_an_alias_that_would_bypass_promotion_or_mlflow_refuses_is_refused_first(settings, stream, alias):
     with pytest.raises(ValueError, match="use letters, digits"):
         run_task(stream[0], "finetune", None, workers=2, overrides=FAST, settings=settings, aliases=[alias])
+    assert Registry(settings).versions() == []
+
+
+@pytest.mark.parametrize("workers, gpus, cluster", [(2, 1, {"CPU": 2}), (4, 1, {"GPU": 2}), (2, 0.5, {"GPU": 0.5})])
+def test_a_job_asking_more_gpus_than_the_cluster_has_is_refused(workers, gpus, cluster):
+    with pytest.raises(TrainingFailed, match=rf"^the cluster cannot place the job: {workers} workers × {gpus:g} GPUs, "
+                                             rf"cluster has {cluster.get('GPU', 0):g};"):
+        check_placement(workers, gpus, cluster)
+
+
+@pytest.mark.parametrize("workers, gpus, cluster", [(2, 0, {"CPU": 2}), (4, 1, {"GPU": 4}), (2, 0.5, {"GPU": 1})])
+def test_a_job_the_cluster_can_place_goes_on(workers, gpus, cluster):
+    check_placement(workers, gpus, cluster)
+
+
+@pytest.mark.component
+def test_gpu_workers_on_a_cpu_cluster_fail_fast_in_one_line_and_register_nothing(ray_cluster, settings, stream):
+    tic = time.monotonic()
+    with pytest.raises(TrainingFailed, match="the cluster cannot place the job: 1 workers × 1 GPUs, cluster has 0"):
+        run_task(stream[0], "finetune", None, workers=1, gpus_per_worker=1, overrides=FAST, settings=settings)
+    assert time.monotonic() - tic < 60  # (Ray Train would wait for the GPU without end)
     assert Registry(settings).versions() == []
