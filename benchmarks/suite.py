@@ -8,7 +8,8 @@ sizes fit in 25 minutes on 2 cores, `--quick` in 5 (small sizes: a smoke run who
 to benchmarks/results/quick/ so that it never overwrites the committed results). A progress bar shows the
 benchmark running; each one's own output goes to `DIR/logs/NAME.log`. Every script writes its table (and
 plot) and, through `report.targets`, `NAME.json` with its checks against the targets; the summary
-(`DIR/summary.md`) collects them with each benchmark's wall time.
+(`DIR/summary.md`) collects them with each benchmark's wall time. `--only` reruns some of them: the summary keeps
+the others' rows from their last run (each benchmark's exit code and wall time are recorded in `DIR/suite.json`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ PLAN: dict[str, tuple[str, list[str], list[str]]] = {
                                         "--no-batching-baseline"]),
     # 1M is its own run (search-1m.md): writing its 1M vectors (two HNSW graphs of 500k) alone takes many minutes;
     # so is the uniform-vector worst case (search-uniform.md: its 100k graph alone takes over a minute to build)
-    "search": ("search", ["--sizes", "10000,100000", "--append-sizes", "100000", "--uniform-size", "0"],
+    # ViT-B-32's 512-d vectors at 100k beside the small model's: a real CLIP's gallery (see search-1m.md for 1M)
+    "search": ("search", ["--sizes", "10000,100000", "--append-sizes", "100000", "--uniform-size", "0",
+                          "--extra-arch", "ViT-B-32", "--extra-sizes", "100000"],
                ["--sizes", "10000", "--append-sizes", "", "--uniform-size", "0", "--rpc-size", "0", "--queries", "100"]),
     "indexing": ("indexing", [], ["--pairs", "256", "--rounds", "1", "--tasks", "1,2", "--task-pairs", "64"]),
     "gpu": ("gpu", [], []),
@@ -75,7 +78,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
             runs.append(run(name, [*(quick if args.quick else full), "--out", str(out / f"{stem}.md")],
                             out / "logs" / f"{name}.log") + (stem,))
             bar.update()
-    text = summary(out, runs, args.quick)
+    text = summary(out, recorded(out, runs), args.quick, ran=names)
     print(text)
     failed = [name for name, rc, _, _ in runs if rc != 0]
     if failed:
@@ -93,22 +96,38 @@ def run(name: str, options: list[str], log: Path) -> tuple[str, int, float]:
     return name, rc, time.perf_counter() - tic
 
 
-def summary(out: Path, runs: list[tuple[str, int, float, str]], quick: bool) -> str:
-    """DIR/summary.md: every check of every benchmark against its target, with each benchmark's wall time."""
-    rows, total = [], sum(wall for _, _, wall, _ in runs)
+def recorded(out: Path, runs: list[tuple[str, int, float, str]]) -> list[tuple[str, int, float | None, str]]:
+    """This command's runs merged into DIR/suite.json (each benchmark's last run: exit code, wall seconds), in PLAN
+    order: every benchmark run here or before, or whose checks are in DIR from before that record (wall unknown)."""
+    path = out / "suite.json"
+    record = json.loads(path.read_text()) if path.exists() else {}
+    record.update({name: {"rc": rc, "seconds": wall} for name, rc, wall, _ in runs})
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return [(name, record[name]["rc"], record[name]["seconds"], stem) if name in record else (name, 0, None, stem)
+            for name, (stem, _, _) in PLAN.items() if name in record or (out / f"{stem}.json").exists()]
+
+
+def summary(out: Path, runs: list[tuple[str, int, float | None, str]], quick: bool, ran: list[str] | None = None) -> str:
+    """DIR/summary.md: every check of every benchmark against its target, with each benchmark's wall time (None: not
+    recorded); `ran`: the benchmarks this command ran, when not all of `runs`."""
+    rows, total = [], sum(wall or 0 for _, _, wall, _ in runs)
+    minutes = lambda wall: "-" if wall is None else f"{wall / 60:.1f}"  # noqa: E731
     for name, rc, wall, stem in runs:
         checks = out / f"{stem}.json"
         found = json.loads(checks.read_text())["checks"] if rc == 0 and checks.exists() else []
         if rc != 0:
-            rows.append([name, f"{wall / 60:.1f}", "failed (exit %d): see logs/%s.log" % (rc, name), "", "", ""])
+            rows.append([name, minutes(wall), "failed (exit %d): see logs/%s.log" % (rc, name), "", "", ""])
         for i, c in enumerate(found or ([] if rc else [{"check": "(no target)", "value": "", "target": "", "ok": None}])):
             verdict = {True: "met", False: "**not met**", None: ""}[c["ok"]]
-            rows.append([name if i == 0 else "", f"{wall / 60:.1f}" if i == 0 else "", c["check"], c["value"],
+            rows.append([name if i == 0 else "", minutes(wall) if i == 0 else "", c["check"], c["value"],
                          c["target"], verdict + (f" ({c['why']})" if c.get("why") else "")])
+    rest = [name for name, *_ in runs if ran is not None and name not in ran]
     return report.write(out / "summary.md", [
         f"# clipstream bench all{' --quick' if quick else ''}: every cost against its baseline", "",
         f"Device: {report.device()}. Reproduce: `clipstream bench all{' --quick' if quick else ''}`; "
-        f"each benchmark's table and plot is in its own file here, its output in logs/. Total {total / 60:.1f} min.",
+        f"each benchmark's table and plot is in its own file here, its output in logs/. Total {total / 60:.1f} min."
+        + (f" Last run: `clipstream bench all --only {','.join(ran)}`; the rows of {', '.join(rest)} are from their own "
+           "last run (minutes -: from before the suite recorded them)." if rest else ""),
         "",
         *report.table(["benchmark", "minutes", "check", "measured", "target", "verdict"], rows)])
 
