@@ -74,8 +74,8 @@ def register(settings, arch: str) -> str:
     save_state({}, folder / STATE_FILE)
     (folder / MANIFEST).write_text(json.dumps({"lineage": [], "matrix": {}}))
     registry = Registry(settings)
-    with registry.run("bench-grpc-encode", {}):
-        version = registry.register(folder, {"task": "bench", "task_index": 0, "method": "none"})
+    with registry.run("bench-grpc-encode", {}) as run_id:
+        version = registry.register(folder, {"task": "bench", "task_index": 0, "method": "none"}, run_id=run_id)
     registry.set_alias(PRODUCTION, version)
     return version
 

@@ -141,9 +141,9 @@ def register(settings: Settings, arch: str, dirs: list[Path]) -> tuple[str, str]
         models.export(bundle, folder)
         save_state({}, folder / STATE_FILE)
         (folder / MANIFEST).write_text(json.dumps({"lineage": lineage, "matrix": {}, "image_tower": tower}))
-        with registry.run(f"bench-indexing-{i}", {}):
+        with registry.run(f"bench-indexing-{i}", {}) as run_id:
             versions.append(registry.register(folder, {"task": lineage[-1]["task"], "task_index": len(lineage) - 1,
-                                                       "method": "cllclip" if i else "finetune"}))
+                                                       "method": "cllclip" if i else "finetune"}, run_id=run_id))
     assert registry.resolve(versions[1], download=False).image_tower == versions[0]
     return versions[0], versions[1]
 
