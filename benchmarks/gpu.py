@@ -219,7 +219,7 @@ def gpu_report(out: Path, command: str, device: str, arch: str, batch: int, trai
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    p.add_argument("--arch", default="ViT-B-32")
+    p.add_argument("--arch", default="ViT-B-32", help="the model, any open_clip architecture by name")
     p.add_argument("--batch", type=int, default=256, help="training micro batch (1 GPU)")
     p.add_argument("--steps", type=int, default=30, help="timed training steps")
     p.add_argument("--warmup", type=int, default=5)
@@ -230,6 +230,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
                    help="run the same measurements on the CPU anyway (a smoke test of this script: use a small --arch)")
     p.add_argument("--out", default=str(report.RESULTS / "gpu.md"))
     args = p.parse_args(argv)
+    from clipstream import models
+
+    models.architecture(args.arch)  # an unknown name: one line, with a GPU or without
     command = (f"clipstream bench gpu --arch {args.arch} --batch {args.batch} --steps {args.steps} --warmup {args.warmup} "
                f"--encode-batch {args.encode_batch} --encode-images {args.encode_images}"
                + (f" --peak-tflops {args.peak_tflops:g}" if args.peak_tflops else "") + (" --cpu" if args.cpu else "")

@@ -172,11 +172,13 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
                                                       "how many tasks it appends")
     p.add_argument("--task-pairs", type=int, default=256, help="gallery pairs of each task of (b) and (c)")
     p.add_argument("--batch", type=int, default=64, help="the in-process loop's batch (the indexing job's default)")
-    p.add_argument("--arch", default="clipstream-vit-tiny", help="the model (default: what the method presets train)")
+    p.add_argument("--arch", default="clipstream-vit-tiny", help="the model, any open_clip architecture by name "
+                                                                 "(default: what the method presets train)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(report.RESULTS / "indexing.md"), help="the markdown; the plot goes next to "
                                                                               "it (.png)")
     args = p.parse_args(argv)
+    models.architecture(args.arch)  # an unknown name: one line, before anything runs
     sizes = sorted({int(s) for s in args.tasks.split(",")})
     if sizes[0] < 1 or args.rounds < 1 or args.pairs < 1 or args.task_pairs < 1:
         p.error("--tasks, --rounds, --pairs and --task-pairs must be positive")

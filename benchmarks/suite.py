@@ -28,11 +28,15 @@ from clipstream.benchmarks import report
 # name -> (results file stem, full-size options, --quick options); the order is the order they run in
 PLAN: dict[str, tuple[str, list[str], list[str]]] = {
     # 3 rounds of 10 interleaved steps: each ratio is a median over 30 paired steps (4 rounds ran 28 minutes in all)
-    "method-step": ("method-step", ["--steps", "10", "--rounds", "3", "--profile", "lwf,modx,ctp"],
+    # ViT-B-32 after the small model, in the same run: 2 cycles of finetune, EWC, LwF and CTP at batch 8 (a real
+    # CLIP's steps are slow on a CPU, and each engine holds its own model, gradients and AdamW moments)
+    "method-step": ("method-step", ["--steps", "10", "--rounds", "3", "--profile", "lwf,modx,ctp",
+                                    "--extra-arch", "ViT-B-32"],
                     ["--methods", "finetune,ewc,ctp", "--steps", "3", "--rounds", "2"]),
     # the last of 2 epochs is as steady as the last of 3 (the first carries the start-up): a minute less in all; one
     # round of each side (its two rounds agreed within 3% in most runs): two minutes less, for the 25-minute budget
-    "train-throughput": ("train-throughput", ["--epochs", "2", "--rounds", "1"],
+    # ViT-B-32 after it, one round of both sides on 48 pairs at batch 8
+    "train-throughput": ("train-throughput", ["--epochs", "2", "--rounds", "1", "--extra-arch", "ViT-B-32"],
                          ["--pairs", "256", "--epochs", "1", "--rounds", "1", "--zero-stages", "none"]),
     # one shape each (flat, bounded by the buffer, linear) over 4 tasks: 8 tasks x 5 methods (40 jobs) would take
     # most of the suite's budget, so that is its own run: clipstream bench stream-growth. --quick: one method's 3 jobs
