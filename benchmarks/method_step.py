@@ -236,7 +236,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
                         help="also measure this model (e.g. ViT-B-32) after --arch's, in the same run, as its own section")
     parser.add_argument("--extra-batch", type=int, default=8, help="--extra-arch's micro batch")
     parser.add_argument("--extra-steps", type=int, default=2, help="--extra-arch's cycles (one round)")
-    parser.add_argument("--extra-methods", default="finetune,ewc,lwf,ctp",
+    parser.add_argument("--extra-methods", default="finetune,lwf",
                         help="--extra-arch's methods (comma-separated presets, finetune among them)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a job's CPU worker has 1 of 2 cores)")
     parser.add_argument("--profile", default="", metavar="METHOD,...",

@@ -292,7 +292,7 @@ def search_report(results: list[dict], rpc_result: dict | None, out: Path, comma
              f"Reproduce: `{command}`", "",
              f"Device: {device}." + (f" Wall time {seconds / 60:.1f} min." if seconds else ""), "",
              "N = stored vectors: N/2 images and their N/2 captions, in d dimensions (a model's embed_dim), spread evenly "
-             "over the tasks; queries are captions (text → image: each searches the N/2 images), k = {K}, one at a time. "
+             f"over the tasks; queries are captions (text → image: each searches the N/2 images), k = {K}, one at a time. "
              "Known = ranked within the query's task, unknown = one ranking over every task. p50/p99 in ms per "
              "query; exact = numpy float32 matrix-vector product + top-k over the same unit vectors, measured after the "
              "index's queries (not interleaved: each would evict the other's data from the caches). Layout reindex = "

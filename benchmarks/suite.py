@@ -28,8 +28,9 @@ from clipstream.benchmarks import report
 # name -> (results file stem, full-size options, --quick options); the order is the order they run in
 PLAN: dict[str, tuple[str, list[str], list[str]]] = {
     # 3 rounds of 10 interleaved steps: each ratio is a median over 30 paired steps (4 rounds ran 28 minutes in all)
-    # ViT-B-32 after the small model, in the same run: 2 cycles of finetune, EWC, LwF and CTP at batch 8 (a real
-    # CLIP's steps are slow on a CPU, and each engine holds its own model, gradients and AdamW moments)
+    # ViT-B-32 after the small model, in the same run: 2 cycles of the plain step, finetune and LwF at batch 8 (a real
+    # CLIP's steps are slow on a CPU, and each engine holds its own model, gradients and AdamW moments: with EWC and
+    # CTP besides, the engines outgrew what this shared machine had free)
     "method-step": ("method-step", ["--steps", "10", "--rounds", "3", "--profile", "lwf,modx,ctp",
                                     "--extra-arch", "ViT-B-32"],
                     ["--methods", "finetune,ewc,ctp", "--steps", "3", "--rounds", "2"]),

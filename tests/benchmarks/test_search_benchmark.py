@@ -75,7 +75,7 @@ def test_the_report_checks_recall_everywhere_and_p99_at_100k_and_1m(tmp_path):
     text = bench.search_report(results, {"n": 100_000, "known": {"p50": 7.0, "p99": 9.0},
                                          "unknown": {"p50": 8.0, "p99": 11.0}}, out, "clipstream bench search", "CPU",
                                seconds=300.0, compact_segments=4)
-    assert "Reproduce: `clipstream bench search`" in text and "Wall time 5.0 min" in text and "in d dimensions" in text
+    assert "Reproduce: `clipstream bench search`" in text and "Wall time 5.0 min" in text and "in d dimensions" in text and "k = 10," in text
     assert "| 1M | 128 | clustered | reindex | 10 | 1 | unknown | 0.9850 |" in text
     assert "| 100k | 128 | uniform | reindex | 10 | 1 | known | 0.5000 |" in text
     assert "| 100k | 128 | clustered | append | 10 | 10 | known |" in text
