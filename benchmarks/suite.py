@@ -9,7 +9,8 @@ to benchmarks/results/quick/ so that it never overwrites the committed results).
 benchmark running; each one's own output goes to `DIR/logs/NAME.log`. Every script writes its table (and
 plot) and, through `report.targets`, `NAME.json` with its checks against the targets; the summary
 (`DIR/summary.md`) collects them with each benchmark's wall time. `--only` reruns some of them: the summary keeps
-the others' rows from their last run (each benchmark's exit code and wall time are recorded in `DIR/suite.json`).
+the others' rows from their last run (each benchmark's exit code and wall time are recorded in `DIR/suite.json`);
+`--summarize` runs nothing and rebuilds the summary from what DIR holds (after a run was stopped part way).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes, under 5 minutes on 2 cores (a smoke run)")
     p.add_argument("--only", default="", metavar="NAME,...", help=f"a subset of: {', '.join(PLAN)}")
+    p.add_argument("--summarize", action="store_true",
+                   help="run nothing: rebuild DIR/summary.md from the results DIR holds (after a run stopped part way)")
     p.add_argument("--out", default="", metavar="DIR",
                    help=f"where the results go (default {report.RESULTS}, with --quick {report.RESULTS / 'quick'})")
     return p
@@ -74,6 +77,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     if unknown:
         p.error(f"--only: unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(PLAN)}")
     out = Path(args.out or (report.RESULTS / "quick" if args.quick else report.RESULTS))
+    if args.summarize:
+        text = summary(out, recorded(out, []), args.quick)
+        print(text)
+        return text
     (out / "logs").mkdir(parents=True, exist_ok=True)
     runs = []
     with console.bar(total=len(names), unit="bench", desc="bench all") as bar:
@@ -127,12 +134,14 @@ def summary(out: Path, runs: list[tuple[str, int, float | None, str]], quick: bo
             rows.append([name if i == 0 else "", minutes(wall) if i == 0 else "", c["check"], c["value"],
                          c["target"], verdict + (f" ({c['why']})" if c.get("why") else "")])
     rest = [name for name, *_ in runs if ran is not None and name not in ran]
+    unknown = [name for name, _, wall, _ in runs if wall is None]
     return report.write(out / "summary.md", [
         f"# clipstream bench all{' --quick' if quick else ''}: every cost against its baseline", "",
         f"Device: {report.device()}. Reproduce: `clipstream bench all{' --quick' if quick else ''}`; "
-        f"each benchmark's table and plot is in its own file here, its output in logs/. Total {total / 60:.1f} min."
-        + (f" Last run: `clipstream bench all --only {','.join(ran)}`; the rows of {', '.join(rest)} are from their own "
-           "last run (minutes -: from before the suite recorded them)." if rest else ""),
+        f"each benchmark's table and plot is in its own file here, its output in logs/. Total {total / 60:.1f} min"
+        + (f" of those with minutes ({', '.join(unknown)}: results of runs the suite did not record)" if unknown else "")
+        + "." + (f" Last run: `clipstream bench all --only {','.join(ran)}`; the rows of {', '.join(rest)} are from their own "
+           "last run." if rest else ""),
         "",
         *report.table(["benchmark", "minutes", "check", "measured", "target", "verdict"], rows)])
 

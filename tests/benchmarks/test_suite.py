@@ -31,9 +31,17 @@ def test_a_rerun_of_some_benchmarks_keeps_the_others_rows_from_their_last_run(tm
                          ran=["search"])
     assert text == (tmp_path / "summary.md").read_text()
     assert "| method-step | 2.0 | method-step figure | 1.05 |" in text and "| search | 3.0 | search figure | 0.99 |" in text
-    assert "| indexing | - | indexing figure | 0.90 |" in text and "Total 5.0 min." in text
+    assert "| indexing | - | indexing figure | 0.90 |" in text
+    assert "Total 5.0 min of those with minutes (indexing: results of runs the suite did not record)." in text
     assert "Last run: `clipstream bench all --only search`; the rows of method-step, indexing are from their own" in text
     assert json.loads((tmp_path / "suite.json").read_text())["search"] == {"rc": 0, "seconds": 180.0}
+    # a run stopped part way leaves its finished benchmarks' results, unrecorded: --summarize runs nothing and
+    # shows them with the rest
+    (tmp_path / "method-step.json").write_text(json.dumps({"checks": [report.check("newer figure", 1.2, at_most=2)]}))
+    assert suite.main(["--summarize", "--out", str(tmp_path)]) == (tmp_path / "summary.md").read_text()
+    text = (tmp_path / "summary.md").read_text()
+    assert "| method-step | 2.0 | newer figure | 1.20 |" in text and "| search | 3.0 | search figure |" in text
+    assert not (tmp_path / "logs" / "search.log").exists()
 
 
 def test_every_planned_benchmark_exists_and_quick_runs_are_kept_apart_from_the_results():
