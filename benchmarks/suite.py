@@ -4,9 +4,10 @@
 
 Runs the cost benchmarks one after another, each in its own process (each starts its own local Ray, DeepSpeed
 and serving app, and a fresh process leaves nothing behind for the next), with the sizes in `PLAN`: the full
-sizes fit in 25 minutes on 2 cores, `--quick` in 5 (small sizes: a smoke run whose ratios are noisy, written
-to benchmarks/results/quick/ so that it never overwrites the committed results). A progress bar shows the
-benchmark running; each one's own output goes to `DIR/logs/NAME.log`. Every script writes its table (and
+sizes fit in 25 minutes on 2 cores without ViT-B-32's rows (search's, method-step's and train-throughput's
+`--extra-arch`), `--quick` in 5 (small sizes: a smoke run whose ratios are noisy, written to
+benchmarks/results/quick/ so that it never overwrites the committed results). A progress bar shows the benchmark
+running; each one's own output goes to `DIR/logs/NAME.log`. Every script writes its table (and
 plot) and, through `report.targets`, `NAME.json` with its checks against the targets; the summary
 (`DIR/summary.md`) collects them with each benchmark's wall time. `--only` reruns some of them: the summary keeps
 the others' rows from their last run (each benchmark's exit code and wall time are recorded in `DIR/suite.json`);
