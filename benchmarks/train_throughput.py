@@ -296,7 +296,8 @@ def sides(runs: dict, batch: int) -> list[str]:
     """The plain loop and the job side by side: samples/s, their ratio, step ms, the wait for input, wall s."""
     v = verdict({"plain": runs["plain"], "clipstream": runs["clipstream"]})
     plain, ours = v["plain"], v["clipstream"]
-    rounds = lambda rs: ", ".join(f"{r['rate']:.0f}" for r in rs)  # noqa: E731
+    # (a decimal below 10 samples/s: a real CLIP on a CPU trains a few a second or less)
+    rounds = lambda rs: ", ".join(f"{r['rate']:.{0 if r['rate'] >= 10 else 1}f}" for r in rs)  # noqa: E731
     return report.table(["loop", "samples/s (median)", "rounds", "ratio", "step ms (median)", "waiting for input",
                          "wall s (median)"], [
         ["plain PyTorch (DataLoader + AdamW + ClipLoss, 1 process)", plain, rounds(runs["plain"]), "1.00",
