@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
+from clipstream import models
 from clipstream.benchmarks import report
 from clipstream.registry import Registry
 from clipstream.settings import Settings, configure_process
@@ -36,6 +37,16 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="Ray Train workers (default 2)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a preset value for every stream, e.g. train.epochs=2")
+    parser.add_argument("--arch", default="", help="the model every stream trains: any open_clip architecture by name, "
+                                                   "e.g. ViT-B-32 (default: the presets' own; --set model.arch=)")
+
+
+def training_sets(args: argparse.Namespace) -> list[str]:
+    """The `--set` overrides of every stream, `--arch` first as model.arch (looked up by name: an unknown one is one
+    line before anything runs)."""
+    if args.arch:
+        models.architecture(args.arch)
+    return [f"model.arch={args.arch}"] * bool(args.arch) + args.set
 
 
 def parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -54,7 +65,8 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     args = parser(prog).parse_args(argv)
-    text = methods(Settings(), args.tasks, args.seed, args.methods.split(","), args.workers, args.set, Path(args.out),
+    text = methods(Settings(), args.tasks, args.seed, args.methods.split(","), args.workers, training_sets(args),
+                   Path(args.out),
                    args.start_with)
     print(text)
     return text

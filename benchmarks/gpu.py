@@ -461,7 +461,7 @@ def versions() -> str:
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    p.add_argument("--arch", default="ViT-B-32")
+    p.add_argument("--arch", default="ViT-B-32", help="the model, any open_clip architecture by name")
     p.add_argument("--batch", type=int, default=256, help="training micro batch, (a) and (b)")
     p.add_argument("--steps", type=int, default=20, help="timed training steps of each side, (a) and (b)")
     p.add_argument("--warmup", type=int, default=3)
@@ -480,6 +480,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     if "--cpu" in (sys.argv[1:] if argv is None else argv):  # the tiny sizes, unless given on the command line
         p.set_defaults(**TINY)
     args = p.parse_args(argv)
+    from clipstream import models
+
+    models.architecture(args.arch)  # an unknown name: one line, with a GPU or without
     command = (f"clipstream bench gpu --arch {args.arch} --batch {args.batch} --steps {args.steps} --warmup {args.warmup} "
                f"--methods {args.methods} --method-batch {args.method_batch} --cycles {args.cycles} "
                f"--encode-batch {args.encode_batch} --encode-images {args.encode_images} --encode-texts {args.encode_texts} "

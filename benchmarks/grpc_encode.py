@@ -74,8 +74,8 @@ def register(settings, arch: str) -> str:
     save_state({}, folder / STATE_FILE)
     (folder / MANIFEST).write_text(json.dumps({"lineage": [], "matrix": {}}))
     registry = Registry(settings)
-    with registry.run("bench-grpc-encode", {}):
-        version = registry.register(folder, {"task": "bench", "task_index": 0, "method": "none"})
+    with registry.run("bench-grpc-encode", {}) as run_id:
+        version = registry.register(folder, {"task": "bench", "task_index": 0, "method": "none"}, run_id=run_id)
     registry.set_alias(PRODUCTION, version)
     return version
 
@@ -164,13 +164,16 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     p.add_argument("--requests", type=int, default=96, help="requests per side per round (at least 2 per client)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--modalities", default="text,image")
-    p.add_argument("--arch", default="clipstream-vit-small")
+    p.add_argument("--arch", default="clipstream-vit-small", help="the model, any open_clip architecture by name")
     p.add_argument("--batch-size", type=int, default=Settings.model_fields["serve_batch_size"].default,
                    help="the app's serve_batch_size (most requests one model call gathers)")
     p.add_argument("--batching-baseline", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the app with max_batch_size=1 (--no-batching-baseline: skip it, saving a redeploy)")
     p.add_argument("--out", default=str(report.RESULTS / "grpc-encode.md"), help="the markdown; the plot goes next to it (.png)")
     args = p.parse_args(argv)
+    from clipstream import models
+
+    models.architecture(args.arch)  # an unknown name: one line, before anything runs
     levels = [int(c) for c in args.clients.split(",")]
     modalities = args.modalities.split(",")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from clipstream.benchmarks import report
-from clipstream.benchmarks.continual_methods import add_training_arguments, seeded
+from clipstream.benchmarks.continual_methods import add_training_arguments, seeded, training_sets
 from clipstream.index import NO_REINDEX, POLICIES, REINDEX, open_index
 from clipstream.indexing import evaluate_through_index, index_task
 from clipstream.registry import Registry
@@ -46,7 +46,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     args = parser(prog).parse_args(argv)
-    text = index_policy(Settings(), args.tasks, args.seed, args.method, args.workers, args.set, Path(args.out),
+    text = index_policy(Settings(), args.tasks, args.seed, args.method, args.workers, training_sets(args), Path(args.out),
                         args.languages, args.test_per_task)
     print(text)
     return text

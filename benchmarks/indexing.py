@@ -141,9 +141,9 @@ def register(settings: Settings, arch: str, dirs: list[Path]) -> tuple[str, str]
         models.export(bundle, folder)
         save_state({}, folder / STATE_FILE)
         (folder / MANIFEST).write_text(json.dumps({"lineage": lineage, "matrix": {}, "image_tower": tower}))
-        with registry.run(f"bench-indexing-{i}", {}):
+        with registry.run(f"bench-indexing-{i}", {}) as run_id:
             versions.append(registry.register(folder, {"task": lineage[-1]["task"], "task_index": len(lineage) - 1,
-                                                       "method": "cllclip" if i else "finetune"}))
+                                                       "method": "cllclip" if i else "finetune"}, run_id=run_id))
     assert registry.resolve(versions[1], download=False).image_tower == versions[0]
     return versions[0], versions[1]
 
@@ -172,11 +172,13 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
                                                       "how many tasks it appends")
     p.add_argument("--task-pairs", type=int, default=256, help="gallery pairs of each task of (b) and (c)")
     p.add_argument("--batch", type=int, default=64, help="the in-process loop's batch (the indexing job's default)")
-    p.add_argument("--arch", default="clipstream-vit-tiny", help="the model (default: what the method presets train)")
+    p.add_argument("--arch", default="clipstream-vit-tiny", help="the model, any open_clip architecture by name "
+                                                                 "(default: what the method presets train)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(report.RESULTS / "indexing.md"), help="the markdown; the plot goes next to "
                                                                               "it (.png)")
     args = p.parse_args(argv)
+    models.architecture(args.arch)  # an unknown name: one line, before anything runs
     sizes = sorted({int(s) for s in args.tasks.split(",")})
     if sizes[0] < 1 or args.rounds < 1 or args.pairs < 1 or args.task_pairs < 1:
         p.error("--tasks, --rounds, --pairs and --task-pairs must be positive")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from clipstream.benchmarks import report
-from clipstream.benchmarks.continual_methods import add_training_arguments, seeded
+from clipstream.benchmarks.continual_methods import add_training_arguments, seeded, training_sets
 from clipstream.settings import Settings, configure_process
 from clipstream.training.data.synth import synthesize_languages
 from clipstream.training.evaluate import ResultMatrix
@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     unknown = sorted(set(names) - set(STREAMS))
     if unknown:
         raise SystemExit(f"unknown stream(s) {unknown}; known: {', '.join(STREAMS)}")
-    text = languages(Settings(), args.languages, names, args.seed, args.workers, args.set, Path(args.out))
+    text = languages(Settings(), args.languages, names, args.seed, args.workers, training_sets(args), Path(args.out))
     print(text)
     return text
 

@@ -1,6 +1,7 @@
 """Each method's training step against finetune's, timed side by side in one process on the same batches.
 
-    clipstream bench method-step [--methods finetune,ewc,...] [--steps 10] [--rounds 5] [--batch 32]
+    clipstream bench method-step [--methods finetune,ewc,...] [--steps 10] [--rounds 5] [--batch 32] [--arch ARCH]
+                                 [--extra-arch ViT-B-32 --extra-batch 8 --extra-steps 2 --extra-methods ...]
 
 The methods table (`clipstream bench methods`) times the step inside task jobs, where two workers share
 two cores with Ray Data's tasks, and a method's step varies by ±15% from task to task. Here every
@@ -13,6 +14,11 @@ a second or two apart, which the machine's drift over a run (±10% on 2 shared c
 ran its steps in one block, EWC measured 1.02× in one run and 1.16× in the next. (Replay and joint add rows, not
 step work: their step is finetune's.) A plain PyTorch step (open_clip's ClipLoss, torch's AdamW, no DeepSpeed) takes
 its turn too: what clipstream's own step costs over the loop an open_clip user writes.
+`--arch` (any open_clip architecture by name; default the presets' own) is the model every method trains; in the same
+run, `--extra-arch` (a real CLIP such as ViT-B-32) is measured the same way after it, with its own smaller batch,
+fewer batches (2: a real CLIP's steps are slow on a CPU), cycles (one round of `--extra-steps`) and methods
+(each engine holds its model, gradients and AdamW's moments), as its own section (its ratios as measured: the targets
+are set for the presets' small model).
 Writes benchmarks/results/method-step.md.
 """
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import gc
 import os
 import statistics
 import tempfile
@@ -177,20 +184,75 @@ def phases(profiled: dict[str, dict[str, float]], steps: int) -> list[str]:
             "", *report.table(["phase", *names], rows), ""]
 
 
+def measure(task: Task, arch: str, names: list[str], batch: int, steps: int, rounds: int, profiled: list[str],
+            workdir: Path, count: int = 4) -> tuple[dict[str, list[float]], dict[str, dict[str, float]], int]:
+    """The plain step and each method's on `arch`, `count` batches each (the first task trains on them, the steps
+    cycle over them), taking turns for `rounds` × `steps` cycles: (ms of each step per cycle, the profiled phases of
+    finetune and `profiled`, the model's parameters); the engines are freed on return."""
+    data = batches(task, models.create(arch), batch, count)
+    torch.manual_seed(0)
+    plain = models.create(arch).model
+    setups = {PLAIN: (plain_step(plain), data)}
+    for name in names:
+        print(f"[setup] {arch} {name}: a first task, then the second task's state", flush=True)
+        engine, method, ctx, batches_ = second_task(name, task, data, batch, workdir / arch, [f"model.arch={arch}"])
+        setups[name] = (functools.partial(train_step, engine, method, ctx), batches_)
+    for setup in setups.values():
+        timed(*setup, 2)  # warm-up
+
+    def on_cycle(c, times):
+        if (c + 1) % steps == 0:
+            print(f"[{arch} round {(c + 1) // steps}/{rounds}] " + " ".join(
+                f"{n}={statistics.mean(times[n][-steps:]):.0f}ms" for n in setups), flush=True)
+
+    times = interleaved(setups, rounds * steps, on_cycle)
+    phases_ = {name: profile(*setups[name], steps) for name in profiled}
+    return (times, {"finetune": profile(*setups["finetune"], steps), **phases_} if phases_ else {},
+            sum(t.numel() for t in plain.parameters()))
+
+
+def section(times: dict[str, list[float]], names: list[str], steps: int, rounds: int) -> tuple[list[str], dict]:
+    """The table of one model's steps and the engine's cost line: (markdown lines, each method's ratio)."""
+    median = {name: statistics.median(v) for name, v in times.items()}
+    ratio = {name: paired_ratio(times[name], times["finetune"]) for name in [PLAIN, *names]}
+    engine_cost = paired_ratio(times["finetune"], times[PLAIN])
+    per_round = {name: [statistics.mean(v[r * steps:(r + 1) * steps]) for r in range(rounds)] for name, v in times.items()}
+    return [
+        f"{PLAIN}: the step an open_clip user writes (open_clip's ClipLoss, torch's AdamW, no DeepSpeed, no method) on "
+        f"the same model and batches, taking its turn with the methods: clipstream's finetune step (DeepSpeed engine, "
+        f"method lifecycle, the profiler's phase marks) is {engine_cost:.2f}× it.",
+        "",
+        *report.table(["method", "step ms", "×finetune", "rounds (ms)"],
+                      [[name, median[name], f"{ratio[name]:.2f}", ", ".join(f"{v:.0f}" for v in per_round[name])]
+                       for name in [PLAIN, *names]]),
+        ""], ratio
+
+
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--methods", default=",".join(method_presets()), help="comma-separated presets (default: all)")
     parser.add_argument("--steps", type=int, default=10, help="steps per method per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--arch", default="", help="the model every method trains: any open_clip architecture by name "
+                                                   "(default: the presets' own)")
+    parser.add_argument("--extra-arch", default="", metavar="ARCH",
+                        help="also measure this model (e.g. ViT-B-32) after --arch's, in the same run, as its own section")
+    parser.add_argument("--extra-batch", type=int, default=8, help="--extra-arch's micro batch")
+    parser.add_argument("--extra-steps", type=int, default=2, help="--extra-arch's cycles (one round)")
+    parser.add_argument("--extra-methods", default="finetune,lwf",
+                        help="--extra-arch's methods (comma-separated presets, finetune among them)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a job's CPU worker has 1 of 2 cores)")
     parser.add_argument("--profile", default="", metavar="METHOD,...",
                         help="also profile these methods' steps (torch profiler): where each phase's time goes")
     parser.add_argument("--out", default=str(report.RESULTS / "method-step.md"))
     args = parser.parse_args(argv)
-    names = args.methods.split(",")
-    if "finetune" not in names:
-        parser.error("--methods must include finetune, the baseline")
+    arch = args.arch or resolve("finetune")["model"]["arch"]
+    for name in filter(None, [arch, args.extra_arch]):
+        models.architecture(name)  # an unknown name: one line, before any engine is built
+    names, extra = args.methods.split(","), args.extra_methods.split(",") if args.extra_arch else []
+    if "finetune" not in names or (extra and "finetune" not in extra):
+        parser.error("--methods and --extra-methods must include finetune, the baseline")
     torch.set_num_threads(args.threads)
     models.keep_freed_memory()  # as a job's worker does (training/engine.py)
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
@@ -199,54 +261,38 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
 
     with tempfile.TemporaryDirectory() as tmp:
         task = Task.load(synthesize(Path(tmp) / "data", tasks=1, digits=False, train_pairs=400, progress=False)[0])
-        arch = resolve("finetune")["model"]["arch"]
-        data = batches(task, models.create(arch), args.batch, 4)
-        torch.manual_seed(0)
-        setups = {PLAIN: (plain_step(models.create(arch).model), data)}
-        for name in names:
-            print(f"[setup] {name}: a first task, then the second task's state", flush=True)
-            engine, method, ctx, batches_ = second_task(name, task, data, args.batch, Path(tmp) / "models")
-            setups[name] = (functools.partial(train_step, engine, method, ctx), batches_)
-        for setup in setups.values():
-            timed(*setup, 2)  # warm-up
+        times, profiled, _ = measure(task, arch, names, args.batch, args.steps, args.rounds,
+                                  list(filter(None, args.profile.split(","))), Path(tmp) / "models")
+        if extra:
+            gc.collect()
+            extra_times, _, extra_params = measure(task, args.extra_arch, extra, args.extra_batch, args.extra_steps, 1,
+                                                   [], Path(tmp) / "models", count=2)
 
-        def on_cycle(c, times):
-            if (c + 1) % args.steps == 0:
-                print(f"[round {(c + 1) // args.steps}/{args.rounds}] " + " ".join(
-                    f"{n}={statistics.mean(times[n][-args.steps:]):.0f}ms" for n in setups), flush=True)
-
-        times = interleaved(setups, args.rounds * args.steps, on_cycle)
-
-        profiled = {name: profile(*setups[name], args.steps) for name in filter(None, args.profile.split(","))}
-        profiled = {"finetune": profile(*setups["finetune"], args.steps), **profiled} if profiled else {}
-
-    median = {name: statistics.median(v) for name, v in times.items()}
-    ratio = {name: paired_ratio(times[name], times["finetune"]) for name in [PLAIN, *names]}
-    engine_cost = paired_ratio(times["finetune"], times[PLAIN])
-    per_round = {name: [statistics.mean(v[r * args.steps:(r + 1) * args.steps]) for r in range(args.rounds)]
-                 for name, v in times.items()}
+    lines, ratio = section(times, names, args.steps, args.rounds)
     checks = [report.check(f"{name} step ×finetune", ratio[name], at_most=TARGETS[name], why=WHY.get(name, ""))
               for name in names if name in TARGETS]
     text = report.write(args.out, [
         "# Training step per method, side by side",
         "",
         f"Reproduce: `clipstream bench method-step --methods {args.methods} --steps {args.steps} "
-        f"--rounds {args.rounds} --batch {args.batch} --threads {args.threads}`",
+        f"--rounds {args.rounds} --batch {args.batch} --threads {args.threads}"
+        + (f" --arch {args.arch}" if args.arch else "")
+        + (f" --extra-arch {args.extra_arch} --extra-batch {args.extra_batch} --extra-steps {args.extra_steps} "
+           f"--extra-methods {args.extra_methods}" if extra else "") + "`",
         "",
         f"Device: {report.device(f'{args.threads} torch thread(s)')}. Model `{arch}`, micro batch {args.batch}, one "
         "DeepSpeed engine per method, each in the state of its second task; the methods take turns step by step. "
         "step ms: the median of a method's steps; ×finetune: the median over cycles of its step ÷ finetune's in the "
         "same cycle; rounds: the mean step of each round's cycles.",
         "",
-        f"{PLAIN}: the step an open_clip user writes (open_clip's ClipLoss, torch's AdamW, no DeepSpeed, no method) on "
-        f"the same model and batches, taking its turn with the methods: clipstream's finetune step (DeepSpeed engine, "
-        f"method lifecycle, the profiler's phase marks) is {engine_cost:.2f}× it.",
-        "",
-        *report.table(["method", "step ms", "×finetune", "rounds (ms)"],
-                      [[name, median[name], f"{ratio[name]:.2f}", ", ".join(f"{v:.0f}" for v in per_round[name])]
-                       for name in [PLAIN, *names]]),
-        "",
+        *lines,
         *(phases(profiled, args.steps) if profiled else []),
+        *([f"## {args.extra_arch}, micro batch {args.extra_batch}, {args.extra_steps} cycles", "",
+           f"The same measurement in the same run on `{args.extra_arch}` "
+           f"({extra_params / 1e6:.0f} M parameters): one engine per method in its second task's "
+           f"state, taking turns for {args.extra_steps} cycles. The ratios are as measured; the targets below are "
+           f"set for `{arch}`.", "",
+           *section(extra_times, extra, args.extra_steps, 1)[0]] if extra else []),
         *report.targets(args.out, checks)])
     print(text)
     return text

@@ -3,11 +3,13 @@ against exact numpy search on the same vectors.
 
     clipstream bench search [--sizes 10000,100000,1000000] [--append-sizes 10000,100000] [--tasks 10]
                             [--queries 300] [--uniform-size 100000] [--rpc-size 100000] [--rpc-queries 200]
-                            [--arch clipstream-vit-small] [--compact-segments N]
+                            [--arch clipstream-vit-small] [--extra-arch ViT-B-32 --extra-sizes 100000]
+                            [--compact-segments N]
 
 For each size N, a gallery of N stored vectors, N/2 images and their N/2 captions, in the embedding dimension of
-`--arch`, is written to an EdgeIndex by one reindex (one segment per modality for every task), and for the sizes in
-`--append-sizes` once more task by task (`--tasks` tasks of N/2/tasks pairs: the no-reindex policy with compaction
+`--arch` (any open_clip architecture by name), and at each of `--extra-sizes` once more in `--extra-arch`'s (a real
+CLIP's, such as ViT-B-32's 512, beside a small model's), is written to an EdgeIndex by one reindex (one segment per
+modality for every task), and for the sizes in `--append-sizes` once more task by task (`--tasks` tasks of N/2/tasks pairs: the no-reindex policy with compaction
 off, one segment per task and modality), measured again after `compact` merged those segments, and built a third
 time as the default policy serves it at its most segments (the first tasks merged, the last `--compact-segments`
 appended after them); the build and compaction times are recorded. The vectors are clustered as a CLIP gallery is:
@@ -63,9 +65,9 @@ def default_compact_segments() -> int:
 
 
 def embed_dim(arch: str) -> int:
-    from importlib.resources import files
+    from clipstream import models
 
-    return int(json.loads(files("clipstream.model_configs").joinpath(f"{arch}.json").read_text())["embed_dim"])
+    return int(models.architecture(arch)["embed_dim"])
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -177,8 +179,8 @@ def summary(cell: dict) -> dict:
 
 def run_size(n: int, tasks: int, dim: int, count: int, kind: str, root: Path, name: str = "bench",
              version: str = "1", layout: str = "reindex", hnsw_ef: int = 0, compact_segments: int = 0) -> list[dict]:
-    """Build a gallery of n stored vectors (n/2 pairs) under root in `layout` (see `build`), measure it, drop the
-    vectors (the index stays on disk): one result {"n", "kind", "layout", "tasks", "segments", "build_s",
+    """Build a gallery of n stored vectors (n/2 pairs) of `dim` dimensions under root in `layout` (see `build`),
+    measure it, drop the vectors (the index stays on disk): one result {"n", "dim", "kind", "layout", "tasks", "segments", "build_s",
     "appends_s", "load", mode: summary}; for layout "append" a second one, measured once more after `compact`
     merged the appended segments (layout "compacted", its "build_s" the compaction's seconds)."""
     gallery = synthetic_gallery(n // 2, tasks, dim, kind, version=version)
@@ -193,11 +195,11 @@ def run_size(n: int, tasks: int, dim: int, count: int, kind: str, root: Path, na
             load = os.getloadavg()[0]
             measured = measure(index, gallery, queries)
             load = (load + os.getloadavg()[0]) / 2  # the machine's 1-minute load average while measuring
-            print(f"[{kind} {n} {step}] {'compaction' if step == 'compacted' else 'build'} {seconds:.1f} s; " + "; ".join(
+            print(f"[{kind} {n} {dim}-d {step}] {'compaction' if step == 'compacted' else 'build'} {seconds:.1f} s; " + "; ".join(
                 f"{m}: recall {np.mean(c['recall']):.4f}, index p50/p99 {np.percentile(c['index_ms'], 50):.2f}/"
                 f"{np.percentile(c['index_ms'], 99):.2f} ms, exact p50/p99 {np.percentile(c['exact_ms'], 50):.2f}/"
                 f"{np.percentile(c['exact_ms'], 99):.2f} ms" for m, c in measured.items()), flush=True)
-            results.append({"n": n, "kind": kind, "layout": step, "tasks": tasks, "segments": index.segments(),
+            results.append({"n": n, "dim": dim, "kind": kind, "layout": step, "tasks": tasks, "segments": index.segments(),
                             "build_s": seconds, "appends_s": appends, "load": load, **{m: summary(c) for m, c in measured.items()}})
     finally:
         index.close()
@@ -259,10 +261,11 @@ def checks(results: list[dict]) -> list[dict]:
         if r["kind"] != "clustered":
             continue
         for mode in MODES:
-            out.append(report.check(f"recall@{K} at {_size(r['n'])}, task-{mode}{_built(r)}", r[mode]["recall"],
+            out.append(report.check(f"recall@{K} at {_size(r['n'])} ({r['dim']}-d), task-{mode}{_built(r)}", r[mode]["recall"],
                                     at_least=TARGET_RECALL, fmt="{:.4f}"))
         for mode in MODES if r["n"] in TARGET_P99_MS and r.get("layout", "reindex") in SERVED_LAYOUTS else ():
-            out.append(report.check(f"vector search p99 ms at {_size(r['n'])}, task-{mode}{_built(r)}", r[mode]["index_99"],
+            out.append(report.check(f"vector search p99 ms at {_size(r['n'])} ({r['dim']}-d), task-{mode}{_built(r)}",
+                                    r[mode]["index_99"],
                                     at_most=TARGET_P99_MS[r["n"]], fmt="{:.2f}"))
     return out
 
@@ -277,7 +280,7 @@ def _size(n: int) -> str:
 
 
 def search_report(results: list[dict], rpc_result: dict | None, out: Path, command: str, device: str,
-                  seconds: float | None = None, dim: int | None = None, hnsw_ef: int = 0,
+                  seconds: float | None = None, hnsw_ef: int = 0,
                   compact_segments: int | None = None) -> str:
     """The tables to `out` and latency against size to `out`.png; returns the markdown."""
     from clipstream.index import HNSW_EF, HNSW_EF_CONSTRUCT, HNSW_EF_POINTS, HNSW_FROM_KB, HNSW_M, OVERSAMPLING
@@ -288,8 +291,8 @@ def search_report(results: list[dict], rpc_result: dict | None, out: Path, comma
     lines = ["# Vector search on the embedded Qdrant Edge index vs exact numpy search", "",
              f"Reproduce: `{command}`", "",
              f"Device: {device}." + (f" Wall time {seconds / 60:.1f} min." if seconds else ""), "",
-             f"N = stored vectors: N/2 images and their N/2 captions, in {dim or '?'} dimensions, spread evenly over "
-             f"the tasks; queries are captions (text → image: each searches the N/2 images), k = {K}, one at a time. "
+             "N = stored vectors: N/2 images and their N/2 captions, in d dimensions (a model's embed_dim), spread evenly "
+             f"over the tasks; queries are captions (text → image: each searches the N/2 images), k = {K}, one at a time. "
              "Known = ranked within the query's task, unknown = one ranking over every task. p50/p99 in ms per "
              "query; exact = numpy float32 matrix-vector product + top-k over the same unit vectors, measured after the "
              "index's queries (not interleaved: each would evict the other's data from the caches). Layout reindex = "
@@ -317,12 +320,12 @@ def search_report(results: list[dict], rpc_result: dict | None, out: Path, comma
             c = r[mode]
             target = TARGET_P99_MS.get(r["n"]) if r["kind"] == "clustered" and \
                 r.get("layout", "reindex") in SERVED_LAYOUTS else None
-            rows.append([_size(r["n"]), r["kind"], r.get("layout", "reindex"), r["tasks"], r.get("segments", "-"), mode,
+            rows.append([_size(r["n"]), r["dim"], r["kind"], r.get("layout", "reindex"), r["tasks"], r.get("segments", "-"), mode,
                          f"{c['recall']:.4f}", f"{c['min_recall']:.1f}",
                          f"{c['index_50']:.2f}", f"{c['index_99']:.2f}", f"{c['exact_50']:.2f}", f"{c['exact_99']:.2f}",
                          f"{c['exact_50'] / c['index_50']:.1f}×", f"≤ {target:g}" if target else "-",
                          f"{r['build_s']:.1f}" if mode == "known" else "", f"{r['load']:.1f}" if "load" in r else "-"])
-    lines += report.table(["N", "vectors", "layout", "tasks", "segments", "mode", f"recall@{K}", "worst query",
+    lines += report.table(["N", "d", "vectors", "layout", "tasks", "segments", "mode", f"recall@{K}", "worst query",
                            "index p50", "index p99", "exact p50", "exact p99", "exact ÷ index (p50)", "p99 target", "build s", "load"], rows)
     if rpc_result:
         lines += ["", f"## Search RPC at {_size(rpc_result['n'])} (text → hits, through gRPC and the Encoder)", "",
@@ -334,12 +337,20 @@ def search_report(results: list[dict], rpc_result: dict | None, out: Path, comma
 
 
 def plot(results: list[dict], path: Path) -> Path:
-    """p50 and p99 latency against N (log-log), index and exact, per mode, with the p99 targets (bare Figure, Agg)."""
+    """p50 and p99 latency against N (log-log), index and exact, per mode, with the p99 targets, a panel per
+    dimension (bare Figure, Agg)."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 5))
-    ax = fig.add_subplot()
-    clustered = [r for r in results if r["kind"] == "clustered" and r.get("layout", "reindex") == "reindex"]
+    dims = sorted({r["dim"] for r in results})
+    fig = Figure(figsize=(8 * len(dims), 5))
+    for i, dim in enumerate(dims):
+        clustered = [r for r in results if r["kind"] == "clustered" and r.get("layout", "reindex") == "reindex"
+                     and r["dim"] == dim]
+        _panel(fig.add_subplot(1, len(dims), i + 1), clustered, dim)
+    return report.save_figure(fig, path)
+
+
+def _panel(ax, clustered: list[dict], dim: int) -> None:
     xs = [r["n"] for r in clustered]
     for mode, colour in zip(MODES, ("tab:blue", "tab:orange")):
         for side, style in (("index", "-"), ("exact", ":")):
@@ -355,10 +366,9 @@ def plot(results: list[dict], path: Path) -> Path:
     ax.set_yscale("log")
     ax.set_xlabel("stored vectors (N: N/2 images searched by a text query)")
     ax.set_ylabel("latency per query (ms)")
-    ax.set_title(f"Vector search, k={K}: embedded Qdrant Edge vs exact numpy")
+    ax.set_title(f"Vector search, {dim}-d, k={K}: embedded Qdrant Edge vs exact numpy")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, ncol=2)
-    return report.save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
@@ -376,8 +386,13 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     p.add_argument("--rpc-size", type=int, default=100_000,
                    help="time the Search RPC at this N, when it is one of --sizes (0: never)")
     p.add_argument("--rpc-queries", type=int, default=200)
-    p.add_argument("--arch", default="clipstream-vit-small", help="the model whose dimension the vectors have "
-                                                                   "and which encodes the RPC's queries")
+    p.add_argument("--arch", default="clipstream-vit-small", help="the model (any open_clip architecture by name) "
+                                                                   "whose dimension the vectors have and which encodes "
+                                                                   "the RPC's queries")
+    p.add_argument("--extra-arch", default="", metavar="ARCH",
+                   help="also measure vectors of this model's dimension (e.g. ViT-B-32: 512) at --extra-sizes, in the "
+                        "same layouts as --arch's at those sizes")
+    p.add_argument("--extra-sizes", default="100000", help="comma-separated N of --extra-arch's galleries")
     p.add_argument("--hnsw-ef", type=int, default=0, metavar="N",
                    help="search every HNSW segment with this candidate list instead of the index's rule (a sweep of "
                         "recall against latency; the Search RPC's replica keeps the rule). 0: the rule")
@@ -387,8 +402,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
         p.error("--compact-segments: at least 1 (0 is the append layout: compaction off)")
     if args.hnsw_ef < 0:
         p.error("--hnsw-ef: a candidate list length > 0 (or 0 for the index's rule)")
+    dim, extra_dim = embed_dim(args.arch), embed_dim(args.extra_arch) if args.extra_arch else None
     sizes = sorted(int(s) for s in args.sizes.split(","))
-    dim = embed_dim(args.arch)
+    extra_sizes = sorted(int(s) for s in args.extra_sizes.split(",")) if extra_dim else []
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(1)  # exact search on one thread, as Qdrant scans a segment: per-query latency, not throughput
@@ -401,9 +417,14 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
                 (Path(tmp) / f"clustered-{n}", "bench", "1")
             results += run_size(n, args.tasks, dim, args.queries, "clustered", *where, hnsw_ef=args.hnsw_ef)
             gc.collect()
-        for n in [n for n in sizes if str(n) in args.append_sizes.split(",")]:
+        for n in extra_sizes:
+            results += run_size(n, args.tasks, extra_dim, args.queries, "clustered", Path(tmp) / f"clustered-{n}-{extra_dim}",
+                                hnsw_ef=args.hnsw_ef)
+            gc.collect()
+        appended = [(n, dim) for n in sizes] + [(n, extra_dim) for n in extra_sizes]
+        for n, d in [(n, d) for n, d in appended if str(n) in args.append_sizes.split(",")]:
             for layout in ("append", "policy"):
-                results += run_size(n, args.tasks, dim, args.queries, "clustered", Path(tmp) / f"{layout}-{n}",
+                results += run_size(n, args.tasks, d, args.queries, "clustered", Path(tmp) / f"{layout}-{n}-{d}",
                                     layout=layout, hnsw_ef=args.hnsw_ef, compact_segments=args.compact_segments)
                 gc.collect()
         if args.uniform_size in sizes:
@@ -416,11 +437,13 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     command = (f"clipstream bench search --sizes {','.join(map(str, sizes))} --append-sizes {args.append_sizes} "
                f"--tasks {args.tasks} --queries "
                f"{args.queries} --uniform-size {args.uniform_size} --rpc-size {args.rpc_size} --rpc-queries "
-               f"{args.rpc_queries} --arch {args.arch}" + (f" --hnsw-ef {args.hnsw_ef}" if args.hnsw_ef else "") +
+               f"{args.rpc_queries} --arch {args.arch}" +
+               (f" --extra-arch {args.extra_arch} --extra-sizes {','.join(map(str, extra_sizes))}" if extra_dim else "") +
+               (f" --hnsw-ef {args.hnsw_ef}" if args.hnsw_ef else "") +
                (f" --compact-segments {args.compact_segments}"
                 if args.compact_segments != default_compact_segments() else "") +
                f" --out {args.out}")
-    text = search_report(results, rpc_result, Path(args.out), command, report.device(), seconds, dim, args.hnsw_ef,
+    text = search_report(results, rpc_result, Path(args.out), command, report.device(), seconds, args.hnsw_ef,
                          args.compact_segments)
     print(text)
     found = checks(results)

@@ -31,7 +31,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from clipstream.benchmarks import report
-from clipstream.benchmarks.continual_methods import add_training_arguments, check_methods, seeded
+from clipstream.benchmarks.continual_methods import add_training_arguments, check_methods, seeded, training_sets
 from clipstream.benchmarks.processes import DATA_TASKS, JobCost
 from clipstream.registry import Registry
 from clipstream.settings import Settings, configure_process
@@ -63,15 +63,16 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     p = parser(prog)
     args = p.parse_args(argv)
+    sets = training_sets(args)
     try:
-        names = check_methods(args.methods.split(","), ["train.epochs=1", *seeded(args.seed), *args.set])
+        names = check_methods(args.methods.split(","), ["train.epochs=1", *seeded(args.seed), *sets])
     except ValueError as exc:
         p.error(str(exc))
     for flag, value, least in (("--tasks", args.tasks, 2), ("--pairs", args.pairs, 1), ("--gallery", args.gallery, 1),
                                ("--workers", args.workers, 1)):
         if value < least:
             p.error(f"{flag} must be >= {least}, got {value}")
-    text = stream_growth(Settings(), names, args.tasks, args.pairs, args.gallery, args.workers, args.seed, args.set,
+    text = stream_growth(Settings(), names, args.tasks, args.pairs, args.gallery, args.workers, args.seed, sets,
                          Path(args.out))
     print(text)
     print(verdict_line(json.loads(Path(args.out).with_suffix(".json").read_text())["checks"]))

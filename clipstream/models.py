@@ -197,17 +197,27 @@ def _check_pixels(size: tuple[int, int], max_pixels: Optional[int]) -> None:
                             "allowed; downscale it")
 
 
+def architecture(arch: str) -> dict[str, Any]:
+    """The model config of `arch`, any architecture open_clip knows by name (its built-in ones such as ViT-B-32,
+    and ours in model_configs/); an unknown name is a one-line ValueError that says where to see the names."""
+    config = open_clip.get_model_config(arch)
+    if config is None:
+        raise ValueError(f"unknown architecture {arch!r}: not an open_clip model name (the "
+                         f"{len(open_clip.list_models())} known ones, e.g. ViT-B-32, ViT-B-16 and clipstream-vit-tiny: "
+                         "python -c \"import clipstream.models, open_clip; print(*open_clip.list_models())\")")
+    return config
+
+
 def create(arch: str, pretrained: Optional[str] = None) -> ClipBundle:
     """`arch` is an open_clip architecture name; `pretrained` a pretrained tag, a checkpoint file, or
     an exported model folder (then `arch` may be None-like and the folder's own config wins)."""
     if pretrained and Path(pretrained).is_dir():
         return load_exported(pretrained)
-    if arch not in open_clip.list_models():
-        raise ValueError(f"unknown architecture {arch!r}; known: {', '.join(open_clip.list_models())}")
+    config = architecture(arch)
     if pretrained and not Path(pretrained).is_file() and pretrained not in open_clip.list_pretrained_tags_by_model(arch):
         raise ValueError(f"{pretrained!r} is neither a checkpoint file nor a pretrained tag of {arch}")
     model, pre_train, pre_val = open_clip.create_model_and_transforms(arch, pretrained=pretrained)
-    return ClipBundle(model, pre_train, pre_val, open_clip.get_tokenizer(arch), arch, open_clip.get_model_config(arch))
+    return ClipBundle(model, pre_train, pre_val, open_clip.get_tokenizer(arch), arch, config)
 
 
 def load_exported(folder: str | Path) -> ClipBundle:

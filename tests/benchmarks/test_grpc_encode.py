@@ -79,3 +79,16 @@ def test_workloads_are_the_same_inputs_for_every_side():
     texts, images = bench.workload("text", 3, 2), bench.workload("image", 2, 2)
     assert texts == bench.workload("text", 3, 2) and len(texts) == 3 and all(len(r) == 2 for r in texts)
     assert images[0][0][:4] == b"\x89PNG" and images == bench.workload("image", 2, 2)
+
+
+def test_the_served_model_is_registered_in_a_run_of_its_own_as_the_production_version(settings):
+    """`register` (bench grpc-encode's, and bench search's for its RPC): a real export of the named architecture in
+    MLflow, production alias on it."""
+    from clipstream.registry import Registry
+
+    version = bench.register(settings, "clipstream-vit-tiny")
+    registry = Registry(settings)
+    assert registry.number() == version
+    found = registry.resolve(version)
+    assert "production" in found.aliases and found.tags["method"] == "none" and found.run_id
+    assert json.loads((found.folder / "open_clip_config.json").read_text())["model_cfg"]["embed_dim"] == 64

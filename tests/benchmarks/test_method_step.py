@@ -11,11 +11,15 @@ from clipstream.benchmarks import method_step as bench
 @pytest.mark.slow  # a real run of the benchmark (every method's step, a profile): the full tier
 def test_a_small_run_times_each_method_profiles_it_and_checks_the_targets(tmp_path):
     out = tmp_path / "method-step.md"
+    # (--extra-arch: a second model measured after the first in the same run, as its own section)
     text = bench.main(["--methods", "finetune,ewc,teir", "--profile", "ewc", "--steps", "1", "--rounds", "1",
-                       "--batch", "8", "--out", str(out)])
+                       "--batch", "8", "--extra-arch", "clipstream-vit-small", "--extra-methods", "finetune,lwf",
+                       "--extra-batch", "4", "--extra-steps", "2", "--out", str(out)])
     assert text == out.read_text()
+    first, extra = text.split("## clipstream-vit-small, micro batch 4, 2 cycles")
     for name in ("plain PyTorch", "finetune", "ewc", "teir"):  # teir: CLL-CLIP's grown vocabulary and pinned teacher
-        assert f"\n| {name} | " in text
+        assert f"\n| {name} | " in first
+    assert "`clipstream-vit-small` (" in extra and "| lwf | " in extra and "| ewc | " not in extra.split("## Targets")[0]
     assert "clipstream's finetune step (DeepSpeed engine, method lifecycle, the profiler's phase marks) is " in text
     checks = {c["check"]: c for c in json.loads(out.with_suffix(".json").read_text())["checks"]}
     assert set(checks) == {"ewc step ×finetune", "teir step ×finetune"}

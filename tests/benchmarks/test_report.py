@@ -72,3 +72,41 @@ def test_every_results_file_the_readme_links_or_shows_is_committed():
     linked = set(re.findall(r"\((benchmarks/results/[^)\s]+)\)", (root / "README.md").read_text()))
     assert {"benchmarks/results/summary.md", "benchmarks/results/search.png"} <= linked
     assert [p for p in sorted(linked) if not (root / p).is_file()] == []
+
+
+# every benchmark that builds a model (all but the suite, first-run and reliability, which take none by name)
+TAKE_ARCH = ["search", "indexing", "grpc-encode", "method-step", "train-throughput", "stream-growth", "methods",
+             "languages", "index-policy", "gpu"]
+
+
+class LookedUp(Exception):
+    """Raised by the lookup under test once it has answered: the benchmark goes no further than its options."""
+
+
+@pytest.mark.parametrize("name", TAKE_ARCH)
+def test_every_benchmark_takes_an_open_clip_architecture_by_name_before_it_runs(name, settings, monkeypatch):
+    from clipstream import models
+
+    module = importlib.import_module(f"clipstream.benchmarks.{BENCHMARKS[name]}")
+    found, lookup = [], models.architecture
+
+    def looked_up(arch):
+        found.append((arch, lookup(arch)["embed_dim"]))  # open_clip's own config of its built-in ViT-B-32
+        raise LookedUp
+
+    monkeypatch.setattr(models, "architecture", looked_up)
+    with pytest.raises(LookedUp):
+        module.main(["--arch", "ViT-B-32", "--out", str(settings.home / "out.md")])
+    assert found == [("ViT-B-32", 512)]
+    assert not (settings.home / "out.md").exists()
+
+
+@pytest.mark.parametrize("name", TAKE_ARCH)
+def test_an_unknown_architecture_is_one_line_exit_2_that_says_where_the_names_are(name, settings, capsys):
+    out = settings.home / "out.md"
+    assert main(["bench", name, "--arch", "no-such-arch", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and not out.exists() and not out.with_suffix(".json").exists()
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("clipstream: error: unknown architecture 'no-such-arch': not an open_clip model name")
+    assert "open_clip.list_models()" in last

@@ -57,9 +57,9 @@ def test_the_policy_layout_is_the_most_segments_the_default_serves(tmp_path):
     assert index.segments() == 4
 
 
-def fake(n, recall=1.0, p99=1.0, kind="clustered"):
+def fake(n, recall=1.0, p99=1.0, kind="clustered", dim=128):
     cell = {"recall": recall, "min_recall": recall, "index_50": p99 / 2, "index_99": p99, "exact_50": 2.0, "exact_99": 3.0}
-    return {"n": n, "kind": kind, "tasks": 10, "segments": 1, "build_s": 12.0, "appends_s": [1.2] * 10, "known": dict(cell),
+    return {"n": n, "dim": dim, "kind": kind, "tasks": 10, "segments": 1, "build_s": 12.0, "appends_s": [1.2] * 10, "known": dict(cell),
             "unknown": dict(cell)}
 
 
@@ -70,28 +70,35 @@ def test_the_report_checks_recall_everywhere_and_p99_at_100k_and_1m(tmp_path):
     results.append({**fake(100_000, p99=9.0), "layout": "append", "segments": 10})
     results.append({**fake(100_000, p99=3.0), "layout": "compacted", "segments": 1})
     results.append({**fake(100_000, p99=5.5), "layout": "policy", "segments": 5})
+    results.append(fake(100_000, p99=4.5, dim=512))  # a real CLIP's vectors beside the small model's (--extra-arch)
     out = tmp_path / "search.md"
     text = bench.search_report(results, {"n": 100_000, "known": {"p50": 7.0, "p99": 9.0},
                                          "unknown": {"p50": 8.0, "p99": 11.0}}, out, "clipstream bench search", "CPU",
-                               seconds=300.0, dim=128, compact_segments=4)
-    assert "Reproduce: `clipstream bench search`" in text and "Wall time 5.0 min" in text and "128 dimensions" in text
-    assert "| 1M | clustered | reindex | 10 | 1 | unknown | 0.9850 |" in text
-    assert "| 100k | uniform | reindex | 10 | 1 | known | 0.5000 |" in text and "| 100k | clustered | append | 10 | 10 | known |" in text
-    assert "| 100k | clustered | compacted | 10 | 1 | unknown |" in text and "| 100k | clustered | policy | 10 | 5 | known |" in text
+                               seconds=300.0, compact_segments=4)
+    assert "Reproduce: `clipstream bench search`" in text and "Wall time 5.0 min" in text and "in d dimensions" in text and "k = 10," in text
+    assert "| 1M | 128 | clustered | reindex | 10 | 1 | unknown | 0.9850 |" in text
+    assert "| 100k | 128 | uniform | reindex | 10 | 1 | known | 0.5000 |" in text
+    assert "| 100k | 128 | clustered | append | 10 | 10 | known |" in text
+    assert "| 100k | 128 | clustered | compacted | 10 | 1 | unknown |" in text
+    assert "| 100k | 128 | clustered | policy | 10 | 5 | known |" in text
+    assert "| 100k | 512 | clustered | reindex | 10 | 1 | known | 1.0000 |" in text
     assert "## Search RPC at 100k" in text and "| unknown | 8.0 | 11.0 |" in text
     assert out.with_suffix(".png").exists() and "![p50 and p99 search latency" in text
     checks = {c["check"]: c for c in json.loads(out.with_suffix(".json").read_text())["checks"]}
     # recall at 3 sizes × 2 modes, p99 at 2 sizes × 2 modes, recall again for the appended 100k (its p99 has no target:
-    # compaction off), both for it compacted and for the policy's layout; uniform: reported only
-    assert len(checks) == 20
-    assert "vector search p99 ms at 100k, task-known, appended, compaction off" not in checks
-    assert checks["recall@10 at 100k, task-known, appended, compaction off"]["ok"]
-    assert checks["vector search p99 ms at 100k, task-unknown, appended then compacted"]["ok"]
-    assert not checks["vector search p99 ms at 100k, task-unknown, appended under the default policy (5 segments)"]["ok"]
-    assert not checks["vector search p99 ms at 100k, task-unknown"]["ok"] and checks["vector search p99 ms at 100k, task-known"]["ok"]
-    assert not checks["recall@10 at 1M, task-known"]["ok"] and checks["recall@10 at 10k, task-known"]["target"] == "≥ 0.9900"
-    assert "vector search p99 ms at 10k, task-known" not in checks  # no latency target at 10k
-    assert "| vector search p99 ms at 1M, task-known | 25.00 | ≤ 20.00 | **not met** |" in text
+    # compaction off), both for it compacted and for the policy's layout; uniform: reported only; 512-d 100k: both
+    assert len(checks) == 24
+    assert "vector search p99 ms at 100k (128-d), task-known, appended, compaction off" not in checks
+    assert checks["recall@10 at 100k (128-d), task-known, appended, compaction off"]["ok"]
+    assert checks["vector search p99 ms at 100k (128-d), task-unknown, appended then compacted"]["ok"]
+    assert not checks["vector search p99 ms at 100k (128-d), task-unknown, appended under the default policy (5 segments)"]["ok"]
+    assert not checks["vector search p99 ms at 100k (128-d), task-unknown"]["ok"]
+    assert checks["vector search p99 ms at 100k (128-d), task-known"]["ok"]
+    assert checks["vector search p99 ms at 100k (512-d), task-unknown"]["ok"] and checks["recall@10 at 100k (512-d), task-known"]["ok"]
+    assert not checks["recall@10 at 1M (128-d), task-known"]["ok"]
+    assert checks["recall@10 at 10k (128-d), task-known"]["target"] == "≥ 0.9900"
+    assert "vector search p99 ms at 10k (128-d), task-known" not in checks  # no latency target at 10k
+    assert "| vector search p99 ms at 1M (128-d), task-known | 25.00 | ≤ 20.00 | **not met** |" in text
 
 
 def test_hnsw_ef_fixes_every_segments_candidate_list_and_0_keeps_the_rule(tmp_path):

@@ -35,6 +35,21 @@ def test_the_report_has_the_plain_loop_the_job_and_each_zero_stage(tmp_path):
                                   "ZeRO 2 on 2 workers: 0.92× ZeRO 0's samples/s, peak 900 MiB vs 1005 MiB.")
 
 
+def test_a_real_size_model_is_its_own_section_measured_as_is_and_the_target_stays_the_small_models(tmp_path):
+    extra = {"arch": "ViT-B-32", "batch": 8, "pairs": 64, "epochs": 2, "params": 151_277_313,
+             "runs": {"plain": [{"rate": 4.0, "step_ms": 1900.0, "seconds": 60.0}],
+                      "clipstream": [{"rate": 3.0, "step_ms": 2100.0, "seconds": 140.0}]}}
+    out = tmp_path / "tt.md"
+    text = bench.throughput_report(runs(), out, "c", "d", "clipstream-vit-tiny", 32, 2000, 3, 2, 5_440_000, extra=extra)
+    section = text.split("## ViT-B-32, batch 8, 64 pairs, last of 2 epochs")[1].split("## ZeRO stages")[0]
+    assert "`ViT-B-32` (151 M parameters)" in section
+    # waiting = 1 - step / (batch / rate): the loop 1 - 1.9 / 2.0, the job 1 - 2.1 / 2.67
+    assert "| plain PyTorch (DataLoader + AdamW + ClipLoss, 1 process) | 4.0 | 4.0 | 1.00 | 1900.0 | 5% | 60 |" in section
+    assert "| clipstream (Ray Data → Ray Train, 1 DeepSpeed worker) | 3.0 | 3.0 | 0.75 | 2100.0 | 21% | 140 |" in section
+    checks = json.loads((tmp_path / "tt.json").read_text())["checks"]
+    assert [c["value"] for c in checks] == ["0.96"]  # the small model's ratio is the one held to the target
+
+
 def test_the_verdict_fails_below_the_target_and_a_run_without_zero_has_no_zero_table(tmp_path):
     slow = runs(ours=(240.0, 245.0))
     verdict = bench.verdict(slow)
