@@ -109,7 +109,8 @@ def index_task(settings: Settings, version_ref: str, task_dir: str | Path, polic
     lineage = _lineage(version)
     if task.name not in lineage:
         raise ValueError(f"version {version.version} was not trained through task {task.name!r} "
-                         f"(its tasks: {', '.join(lineage)}); index a task with a version that has seen it")
+                         f"(its tasks: {', '.join(lineage) or 'none'}); index a task with a version that has seen it "
+                         "(a version 0, trained on none, serves the tasks it was registered with --evaluate)")
     with open_index(settings, index_name) as index:
         index.progress = True
         if policy == NO_REINDEX:
@@ -170,8 +171,9 @@ def evaluate_through_index(index: VectorIndex, bundle: models.ClipBundle, tasks:
 
 
 def _lineage(version: Version) -> dict[str, tuple[int, dict]]:
-    """task name -> (task index, lineage entry), in training order."""
-    return {e["task"]: (i, e) for i, e in enumerate(version.lineage)}
+    """task name -> (task index, lineage entry) of the tasks `version` serves, in training order: its lineage; for a
+    version 0 (`clipstream register --from`: no lineage), the tasks of its row 0, which it was evaluated on."""
+    return {e["task"]: (i, e) for i, e in enumerate(version.lineage or version.manifest.get("evaluated", []))}
 
 
 def _task_of(entry: dict, step: str, advice: str) -> Task:

@@ -193,7 +193,8 @@ class Registry:
         lineage = manifest.get("lineage", [])
         tags = {**tags, CHECKSUMS: json.dumps(checksums(Path(checkpoint)), separators=(",", ":")),
                 "lineage_tasks": ",".join(e["task"] for e in lineage),
-                "languages": ",".join(_languages(lineage)),
+                # (a version 0 trained on no task names the languages of the model it was made from)
+                "languages": ",".join(_languages(lineage) if lineage else manifest.get("languages", [])),
                 "tokenizer": (manifest.get("tokenizer") or {}).get("sha", ""),
                 "image_tower": manifest.get("image_tower") or ""}
         with tempfile.TemporaryDirectory() as staging:

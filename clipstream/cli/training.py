@@ -1,8 +1,8 @@
-"""`clipstream train`, `eval` and `bench`: jobs that make and measure versions."""
+"""`clipstream train`, `register`, `eval` and `bench`: jobs that make and measure versions."""
 
 from __future__ import annotations
 
-from clipstream.cli.render import print_result
+from clipstream.cli.render import print_registered, print_result
 from clipstream.settings import Settings
 
 
@@ -13,6 +13,12 @@ def _train(args) -> None:
                       gpus_per_worker=args.gpus_per_worker, aliases=args.alias, wait_parent_s=args.wait_parent,
                       zero_shot=args.zero_shot, retrain=args.retrain)
     print_result(result)
+
+
+def _register(args) -> None:
+    from clipstream.training.version0 import register_version0
+
+    print_registered(register_version0(args.source, args.evaluate, args.zero_shot, args.alias, Settings()))
 
 
 def _eval(args) -> None:
