@@ -107,10 +107,13 @@ def index_task(settings: Settings, version_ref: str, task_dir: str | Path, polic
     version = registry.resolve(version_ref)
     task = Task.load(task_dir)
     lineage = _lineage(version)
-    if task.name not in lineage:
+    if task.name not in lineage and version.lineage:
         raise ValueError(f"version {version.version} was not trained through task {task.name!r} "
-                         f"(its tasks: {', '.join(lineage) or 'none'}); index a task with a version that has seen it "
-                         "(a version 0, trained on none, serves the tasks it was registered with --evaluate)")
+                         f"(its tasks: {', '.join(lineage)}); index a task with a version that has seen it")
+    if task.name not in lineage:
+        raise ValueError(f"version {version.version} is a version 0 (trained on no task): it serves the tasks it was "
+                         f"evaluated on (its tasks: {', '.join(lineage) or 'none'}), not {task.name!r}; register the "
+                         "model with `clipstream register --evaluate` naming that task")
     with open_index(settings, index_name) as index:
         index.progress = True
         if policy == NO_REINDEX:

@@ -133,3 +133,21 @@ def test_bad_input_registers_nothing_and_opens_no_run(settings, stream, tmp_path
             register_version0(settings=settings, **kwargs)
     assert registry.versions() == []
     assert registry.client.get_experiment_by_name(registry.name) is None  # not even the experiment: no run
+
+
+@pytest.mark.slow  # a 151M-parameter model: ~600 MB written, logged to MLflow and downloaded again
+def test_a_real_vit_b_32_checkpoint_registers_as_version_0(settings, stream, tmp_path):
+    torch.manual_seed(0)
+    bundle = models.create("ViT-B-32")  # open_clip's own architecture, random weights
+    path = tmp_path / "vit-b-32.pt"
+    torch.save(bundle.model.state_dict(), path)
+    done = register_version0(f"ViT-B-32:{path}", stream[:1], settings=settings)
+    version = Registry(settings).resolve(done.version)
+    assert version.tags["source"] == f"ViT-B-32:{path}" and version.manifest["config"]["model"]["arch"] == "ViT-B-32"
+    loaded = models.load_exported(version.folder)
+    assert loaded.embed_dim == 512 and loaded.image_size == 224
+    for (name, a), (_, b) in zip(bundle.model.state_dict().items(), loaded.model.state_dict().items()):
+        assert torch.equal(a.reshape(-1), b.reshape(-1)), name
+    # row 0: the model's retrieval on the task's test split, its images resized to ViT-B-32's 224 pixels
+    scores = evaluate.evaluate_seen(evaluate.embed_tasks(loaded, [Task.load(stream[0])]))
+    assert done.known.baseline == pytest.approx({n: m["Rm"] for n, m in scores["known"].items()})
