@@ -96,6 +96,7 @@ def test_version_0_from_a_checkpoint_is_indexed_promoted_served_and_trained_on(r
     """The issue's proof, from the command line: a checkpoint in open_clip's trainer format registered as version 0
     (`register --from`), indexed, promoted and served over gRPC with no training; then `train` on top of it, whose
     R matrix keeps row 0. (After the test above: it replaces that test's served app with its own.)"""
+    import grpc
     import torch
     from ray import serve
 
@@ -142,12 +143,18 @@ def test_version_0_from_a_checkpoint_is_indexed_promoted_served_and_trained_on(r
                 hits = client.search(text=caption, task=task, k=3)
                 assert [h["item_id"] for h in hits] == [ids[i] for i in np.argsort(-scores)[:3]], task
                 assert {h["model_version"] for h in hits} == {h["query_model_version"] for h in hits} == {"1"}
+            # it knows the pretrained model's language (English), and no other
+            vectors, version = client.encode_text([caption], language="en")
+            assert version == "1" and np.allclose(vectors[0], query, atol=1e-5)
+            with pytest.raises(grpc.RpcError) as refused:
+                client.encode_text([caption], language="xa")
+            assert "model version 1 was not trained on language 'xa' (it knows en;" in refused.value.details()
             assert client.status()["consistent"]
     finally:
         serve.shutdown()
 
-    assert main(["train", "--task", str(stream[0]), "--parent", "start", "--workers", "1",
-                 *[f"--set={o}" for o in FAST], "--set=train.epochs=1"]) == 0
+    assert main(["train", "--task", str(stream[0]), "--parent", "start", *[f"--set={o}" for o in FAST],
+                 "--set=train.epochs=1"]) == 0
     out = capsys.readouterr().out
     assert f"{BASELINE} " in out and "registered version 2" in out
     trained = Registry(settings).resolve("2")
