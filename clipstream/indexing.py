@@ -148,6 +148,9 @@ def put_lineage(settings: Settings, version: Version, split: str = "test") -> di
                     gallery = embed_gallery(version, task, i, split, ray_min_rows=settings.index_ray_min_rows)
                     index.append(gallery)
                     state = _record(registry, version.version, _compacted(index, settings), NO_REINDEX)
+        elif not lineage:
+            raise ValueError(f"version {version.version} serves no task (a version 0 registered without --evaluate): "
+                             "the reindex policy would empty the index; register the model with --evaluate TASK")
         elif set(state["tasks"]) != set(lineage) or any(t["model_version"] != version.version
                                                         for t in state["tasks"].values()):
             state = _record(registry, version.version,
@@ -174,9 +177,8 @@ def evaluate_through_index(index: VectorIndex, bundle: models.ClipBundle, tasks:
 
 
 def _lineage(version: Version) -> dict[str, tuple[int, dict]]:
-    """task name -> (task index, lineage entry) of the tasks `version` serves, in training order: its lineage; for a
-    version 0 (`clipstream register --from`: no lineage), the tasks of its row 0, which it was evaluated on."""
-    return {e["task"]: (i, e) for i, e in enumerate(version.lineage or version.manifest.get("evaluated", []))}
+    """task name -> (task index, lineage entry) of the tasks `version` serves (`Version.gallery`), in order."""
+    return {e["task"]: (i, e) for i, e in enumerate(version.gallery)}
 
 
 def _task_of(entry: dict, step: str, advice: str) -> Task:

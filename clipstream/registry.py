@@ -77,6 +77,12 @@ class Version:
         return self.manifest.get("lineage", [])
 
     @property
+    def gallery(self) -> list[dict]:
+        """The tasks whose galleries this version serves (lineage-style entries, in order): its lineage; a version 0
+        (`clipstream register --from`), trained on none, serves the tasks it was evaluated on (`--evaluate`)."""
+        return self.lineage or self.manifest.get("evaluated", [])
+
+    @property
     def image_tower(self) -> str:
         """The version whose image tower this one has unchanged (itself unless a method froze that tower):
         image vectors made by any version with the same `image_tower` are this version's too."""

@@ -30,7 +30,9 @@ def _eval(args) -> None:
     settings = Settings()
     version = Registry(settings).resolve(args.version or CANDIDATE)
     bundle = models.load_exported(version.folder)
-    tasks = [Task.load(p) for p in args.task] or [Task.load(e["path"]) for e in version.lineage]
+    tasks = [Task.load(p) for p in args.task] or [Task.load(e["path"]) for e in version.gallery]
+    if not tasks:
+        raise ValueError(f"version {version.version} was trained and evaluated on no task: name tasks with --task")
     if args.through_index:
         from clipstream.index import open_index
         from clipstream.indexing import evaluate_through_index
@@ -44,7 +46,8 @@ def _eval(args) -> None:
     else:
         scores = evaluate.evaluate_seen([evaluate.embed_task(bundle, t) for t in tasks])
     source = "through the index" if args.through_index else "in memory"
-    print(f"version {version.version} ({version.tags.get('method')}, after task {version.tags.get('task')}), {source}")
+    after = f"after task {version.tags['task']}" if version.tags.get("task") else "before any training"
+    print(f"version {version.version} ({version.tags.get('method')}, {after}), {source}")
     print(evaluate.format_scores(scores))
 
 

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -154,12 +155,18 @@ def test_register_from_a_checkpoint_or_an_export_folder_makes_version_0(kind, so
 
     assert main(["register", "--from", sources[kind], "--evaluate", str(stream[0]), "--alias", "start"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"registered version 1 (alias candidate) from {sources[kind]}: untrained, stream position 0")
+    assert f"registered version 1 (alias candidate) from {sources[kind]}: untrained, stream position 0" in out
     assert "pretrained" in out and "next: clipstream train --task TASK --parent 1" in out
     version = Registry(settings).resolve("start")
     assert version.tags["source"] == sources[kind] and version.manifest["lineage"] == []
     assert main(["runs"]) == 0
     assert capsys.readouterr().out.splitlines()[2].split()[:4] == ["1", "candidate,start", "pretrained", "-"]
+    assert main(["eval", "--version", "start"]) == 0  # on the tasks of its row 0
+    out = capsys.readouterr().out
+    assert "version 1 (pretrained, before any training), in memory" in out and Path(stream[0]).name in out
+    if kind == "export":  # registered again without --evaluate: it serves no task, and says so
+        assert main(["register", "--from", sources[kind]]) == 0 and main(["eval", "--version", "2"]) == 2
+        assert "version 2 was trained and evaluated on no task: name tasks with --task" in capsys.readouterr().err
 
 
 def test_runs_on_an_empty_registry_says_so(settings, capsys):

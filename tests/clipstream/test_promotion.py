@@ -203,3 +203,8 @@ def test_version_0_is_indexed_promoted_and_replaced_with_no_training(settings, s
     assert back["to_version"] == v0 and _production(settings) == v0
     with open_index(settings) as index:
         assert {n: t["model_version"] for n, t in index.state()["tasks"].items()} == {names[0]: v0}
+    # a version 0 registered without --evaluate serves nothing: under reindex, promoting it would empty the index
+    empty = register_version0(f"clipstream-vit-tiny:{tmp_path / 'ckpt.pt'}", settings=settings).version
+    with pytest.raises(ValueError, match=f"version {empty} serves no task \\(a version 0 registered without --evaluate\\)"):
+        promote(settings.model_copy(update={"index_policy": "reindex"}), empty)
+    assert _production(settings) == v0
