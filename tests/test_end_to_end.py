@@ -2,6 +2,9 @@
 workers (tests/conftest.py `two_tasks`), registered in MLflow, promoted behind its gates (which indexes the
 stream's galleries in Qdrant Edge with a Ray Data job), served by Ray Serve and searched over gRPC.
 
+The second path starts a stream from an existing model instead: a checkpoint registered as version 0, served with no
+training, then trained on.
+
 It replaces the session's shared served app, so the collection puts it after every test that uses that app."""
 
 import numpy as np
