@@ -143,9 +143,13 @@ def index_task(settings: Settings, version_ref: str, task_dir: str | Path, polic
     version = registry.resolve(version_ref)
     task = Task.load(task_dir)
     lineage = _lineage(version)
-    if task.name not in lineage:
+    if task.name not in lineage and version.lineage:
         raise ValueError(f"version {version.version} was not trained through task {task.name!r} "
                          f"(its tasks: {', '.join(lineage)}); index a task with a version that has seen it")
+    if task.name not in lineage:
+        raise ValueError(f"version {version.version} is a version 0 (trained on no task): it serves the tasks it was "
+                         f"evaluated on (its tasks: {', '.join(lineage) or 'none'}), not {task.name!r}; register the "
+                         "model with `clipstream register --evaluate` naming that task")
     with open_index(settings, index_name) as index:
         index.progress = True
         if policy == NO_REINDEX:
@@ -181,6 +185,9 @@ def put_lineage(settings: Settings, version: Version, split: str = "test") -> di
                                             **_on(settings))
                     index.append(gallery)
                     state = _record(registry, version.version, _compacted(index, settings), NO_REINDEX)
+        elif not lineage:
+            raise ValueError(f"version {version.version} serves no task (a version 0 registered without --evaluate): "
+                             "the reindex policy would empty the index; register the model with --evaluate TASK")
         elif set(state["tasks"]) != set(lineage) or any(t["model_version"] != version.version
                                                         for t in state["tasks"].values()):
             state = _record(registry, version.version,
@@ -208,8 +215,8 @@ def evaluate_through_index(index: VectorIndex, bundle: models.ClipBundle, tasks:
 
 
 def _lineage(version: Version) -> dict[str, tuple[int, dict]]:
-    """task name -> (task index, lineage entry), in training order."""
-    return {e["task"]: (i, e) for i, e in enumerate(version.lineage)}
+    """task name -> (task index, lineage entry) of the tasks `version` serves (`Version.gallery`), in order."""
+    return {e["task"]: (i, e) for i, e in enumerate(version.gallery)}
 
 
 def _task_of(entry: dict, step: str, advice: str) -> Task:

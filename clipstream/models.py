@@ -12,20 +12,24 @@ embed through `ClipBundle.embed_texts` / `embed_images`, and read images through
 from __future__ import annotations
 
 import ctypes
+import difflib
 import hashlib
 import io
 import json
+import pickle
 import re
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Optional, Sequence, Union
+from typing import IO, Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import open_clip
 import torch
 from open_clip.push_to_hf_hub import save_config_for_hf
 from PIL import Image
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
@@ -199,25 +203,89 @@ def _check_pixels(size: tuple[int, int], max_pixels: Optional[int]) -> None:
 
 def architecture(arch: str) -> dict[str, Any]:
     """The model config of `arch`, any architecture open_clip knows by name (its built-in ones such as ViT-B-32,
-    and ours in model_configs/); an unknown name is a one-line ValueError that says where to see the names."""
+    and ours in model_configs/); an unknown name is a one-line ValueError naming the close ones."""
     config = open_clip.get_model_config(arch)
     if config is None:
-        raise ValueError(f"unknown architecture {arch!r}: not an open_clip model name (the "
-                         f"{len(open_clip.list_models())} known ones, e.g. ViT-B-32, ViT-B-16 and clipstream-vit-tiny: "
-                         "python -c \"import clipstream.models, open_clip; print(*open_clip.list_models())\")")
+        close = difflib.get_close_matches(str(arch), open_clip.list_models(), n=5, cutoff=0.5)
+        raise ValueError(f"unknown architecture {arch!r}; {'close ones: ' + ', '.join(close) if close else 'none is close'}"
+                         f" (open_clip.list_models() lists all {len(open_clip.list_models())})")
     return config
 
 
+class ModelUnavailable(ConnectionError):
+    """A model that could not be fetched (a pretrained tag's weights, an hf-hub model) because the network or the hub
+    did not answer: not the input's fault (the CLI exits 1); the same command may work where the network allows."""
+
+
+HF_HUB = "hf-hub:"
+
+
 def create(arch: str, pretrained: Optional[str] = None) -> ClipBundle:
-    """`arch` is an open_clip architecture name; `pretrained` a pretrained tag, a checkpoint file, or
-    an exported model folder (then `arch` may be None-like and the folder's own config wins)."""
+    """`arch` is an open_clip architecture name, or `hf-hub:ORG/NAME` (open_clip fetches that model's config and
+    weights; `pretrained` unused); `pretrained` a pretrained tag, a checkpoint file, or an exported model folder
+    (then `arch` may be None-like and the folder's own config wins).
+
+    What open_clip cannot load is one ValueError naming the source (a corrupt or truncated checkpoint, one whose
+    shapes do not fit `arch`, a hub model that does not exist), or ModelUnavailable where the download failed."""
     if pretrained and Path(pretrained).is_dir():
         return load_exported(pretrained)
-    config = architecture(arch)
-    if pretrained and not Path(pretrained).is_file() and pretrained not in open_clip.list_pretrained_tags_by_model(arch):
-        raise ValueError(f"{pretrained!r} is neither a checkpoint file nor a pretrained tag of {arch}")
-    model, pre_train, pre_val = open_clip.create_model_and_transforms(arch, pretrained=pretrained)
-    return ClipBundle(model, pre_train, pre_val, open_clip.get_tokenizer(arch), arch, config)
+    if arch and arch.startswith(HF_HUB):  # open_clip's own hub loading; without its weights it would go on random
+        name, options = arch, {"require_pretrained": True}
+    else:
+        architecture(arch)
+        if pretrained and not Path(pretrained).is_file() and pretrained not in open_clip.list_pretrained_tags_by_model(arch):
+            tags = ", ".join(open_clip.list_pretrained_tags_by_model(arch)) or "none"
+            raise ValueError(f"{pretrained!r} is neither a checkpoint file nor a pretrained tag of {arch} (its tags: {tags})")
+        name, options = arch, {"pretrained": pretrained}
+    with _loading(f"{arch}:{pretrained}" if pretrained else arch):
+        model, pre_train, pre_val = open_clip.create_model_and_transforms(name, **options)
+        return ClipBundle(model, pre_train, pre_val, open_clip.get_tokenizer(name), arch, open_clip.get_model_config(name))
+
+
+def from_source(source: str) -> tuple[ClipBundle, str]:
+    """The model `source` names, as `clipstream register --from` takes it: `ARCH:PRETRAINED` (a pretrained tag or a
+    checkpoint file of that open_clip architecture), `hf-hub:ORG/NAME`, or an exported folder (`export`); with the
+    source as it is recorded (a local file or folder as an absolute path)."""
+    text = str(source).strip()
+    if text.startswith(HF_HUB):
+        return create(text), text
+    if Path(text).is_dir():
+        return load_exported(text), str(Path(text).absolute())
+    arch, sep, pretrained = text.partition(":")
+    if not (sep and arch and pretrained):
+        raise ValueError(f"{text!r}: give ARCH:PRETRAINED (a pretrained tag or a checkpoint file, e.g. "
+                         f"ViT-B-32:laion2b_s34b_b79k or ViT-B-32:/data/ckpt.pt), {HF_HUB}ORG/NAME or an exported "
+                         "model folder")
+    bundle = create(arch, pretrained)
+    return bundle, f"{arch}:{Path(pretrained).absolute()}" if Path(pretrained).is_file() else text
+
+
+# what the hub or the network raise when they cannot be reached (huggingface_hub's LocalEntryNotFoundError: not
+# reachable and not cached), found anywhere in the chain of causes of open_clip's error
+_OFFLINE = ("LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectError", "ConnectTimeout", "ReadTimeout",
+            "URLError", "gaierror")
+# (open_clip asserts on some shapes: a checkpoint of another architecture)
+_LOAD_ERRORS = (RuntimeError, OSError, ValueError, KeyError, EOFError, AssertionError, pickle.UnpicklingError,
+                SafetensorError)
+
+
+@contextmanager
+def _loading(what: str) -> Iterator[None]:
+    """open_clip's failure to load `what` as one line: ModelUnavailable where the network failed, else a ValueError
+    (its first lines: open_clip's messages and torch's list every mismatched tensor)."""
+    try:
+        yield
+    except _LOAD_ERRORS as exc:
+        chain, cause = [], exc
+        while cause is not None and len(chain) < 16:
+            chain.append(cause)
+            cause = cause.__cause__ or cause.__context__
+        detail = " ".join(" ".join(str(exc).split("\n")[:2]).split()).split(". ")[0]
+        detail = detail if len(detail) <= 240 else detail[:237] + "..."
+        if any(type(c).__name__ in _OFFLINE or isinstance(c, (ConnectionError, TimeoutError)) for c in chain):
+            raise ModelUnavailable(f"{what}: could not be downloaded (no network or hub?): {detail}") from exc
+        raise ValueError(f"{what}: open_clip cannot load it (a corrupt or truncated file, or weights of another "
+                         f"architecture?): {type(exc).__name__}: {detail}") from exc
 
 
 def load_exported(folder: str | Path) -> ClipBundle:
@@ -226,8 +294,9 @@ def load_exported(folder: str | Path) -> ClipBundle:
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder} is not an exported model: {CONFIG_FILE} missing")
     meta = json.loads(config_path.read_text())
-    model, pre_train, pre_val = open_clip.create_model_and_transforms(f"local-dir:{folder}")
-    tokenizer = open_clip.get_tokenizer(f"local-dir:{folder}")
+    with _loading(str(folder)):
+        model, pre_train, pre_val = open_clip.create_model_and_transforms(f"local-dir:{folder}")
+        tokenizer = open_clip.get_tokenizer(f"local-dir:{folder}")
     return ClipBundle(model, pre_train, pre_val, tokenizer, meta.get("arch", folder.name), meta["model_cfg"])
 
 

@@ -43,8 +43,12 @@ def check_gates(registry: Registry, candidate: Version, production: Version | No
     metrics = registry.run_metrics(candidate.run_id)
     forgetting = metrics.get("known/forgetting", math.nan)
     aa = metrics.get("known/AA", math.nan)
-    gates = [Gate("forgetting", forgetting <= settings.promote_max_forgetting, forgetting, settings.promote_max_forgetting,
-                  "task-known mean forgetting must be <= threshold")]
+    if candidate.tasks:
+        gates = [Gate("forgetting", forgetting <= settings.promote_max_forgetting, forgetting,
+                      settings.promote_max_forgetting, "task-known mean forgetting must be <= threshold")]
+    else:  # a version 0 (`clipstream register --from`): its model learnt no task of the stream
+        gates = [Gate("forgetting", True, None, settings.promote_max_forgetting,
+                      f"version {candidate.version} was trained on no task: nothing to forget")]
     if production is None:
         return gates + [Gate("aa", True, aa, None, "no production version to compare with"),
                         Gate("not-production", True, candidate.version, None, "no production version"),
@@ -52,9 +56,16 @@ def check_gates(registry: Registry, candidate: Version, production: Version | No
     floor = registry.run_metrics(production.run_id).get("known/AA", math.nan) - settings.promote_max_aa_drop
     key = lambda v: [(e["task"], e.get("data_sha")) for e in v.lineage]
     extends = key(candidate)[:len(production.lineage)] == key(production)
+    if not production.tasks:  # production is a version 0: no trained row, no AA to compare with
+        aa_gate = Gate("aa", True, aa, None, f"production v{production.version} was trained on no task: no AA to compare")
+    elif not candidate.tasks:
+        aa_gate = Gate("aa", False, aa, floor, f"version {candidate.version} was trained on no task: it has no task-known "
+                                               f"AA to compare with production v{production.version}'s")
+    else:
+        aa_gate = Gate("aa", aa >= floor, aa, floor, f"task-known AA must be >= production v{production.version}'s "
+                                                     f"minus {settings.promote_max_aa_drop}")
     return gates + [
-        Gate("aa", aa >= floor, aa, floor, f"task-known AA must be >= production v{production.version}'s "
-                                           f"minus {settings.promote_max_aa_drop}"),
+        aa_gate,
         Gate("not-production", candidate.version != production.version, candidate.version, f"!= {production.version}",
              "the candidate must not already be production"),
         Gate("lineage", extends, candidate.tasks, production.tasks,

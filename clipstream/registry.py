@@ -77,6 +77,12 @@ class Version:
         return self.manifest.get("lineage", [])
 
     @property
+    def gallery(self) -> list[dict]:
+        """The tasks whose galleries this version serves (lineage-style entries, in order): its lineage; a version 0
+        (`clipstream register --from`), trained on none, serves the tasks it was evaluated on (`--evaluate`)."""
+        return self.lineage or self.manifest.get("evaluated", [])
+
+    @property
     def image_tower(self) -> str:
         """The version whose image tower this one has unchanged (itself unless a method froze that tower):
         image vectors made by any version with the same `image_tower` are this version's too."""
@@ -193,7 +199,8 @@ class Registry:
         lineage = manifest.get("lineage", [])
         tags = {**tags, CHECKSUMS: json.dumps(checksums(Path(checkpoint)), separators=(",", ":")),
                 "lineage_tasks": ",".join(e["task"] for e in lineage),
-                "languages": ",".join(_languages(lineage)),
+                # (a version 0 trained on no task names the languages of the model it was made from)
+                "languages": ",".join(_languages(lineage) if lineage else manifest.get("languages", [])),
                 "tokenizer": (manifest.get("tokenizer") or {}).get("sha", ""),
                 "image_tower": manifest.get("image_tower") or ""}
         with tempfile.TemporaryDirectory() as staging:

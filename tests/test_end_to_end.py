@@ -2,6 +2,9 @@
 workers (tests/conftest.py `two_tasks`), registered in MLflow, promoted behind its gates (which indexes the
 stream's galleries in Qdrant Edge with a Ray Data job), served by Ray Serve and searched over gRPC.
 
+The second path starts a stream from an existing model instead: a checkpoint registered as version 0, served with no
+training, then trained on.
+
 It replaces the session's shared served app, so the collection puts it after every test that uses that app."""
 
 import numpy as np
@@ -89,3 +92,77 @@ def test_the_promoted_version_serves_its_stream_over_grpc(serving, two_tasks, st
     assert f"task-known ({tasks[1].name}), encoded by version 2" in out and len(out.strip().splitlines()) == 5
     assert main(["status"]) == 0
     assert "production v2" in capsys.readouterr().out
+
+
+def test_version_0_from_a_checkpoint_is_indexed_promoted_served_and_trained_on(ray_cluster, stream, tmp_path, monkeypatch,
+                                                                              capsys):
+    """The issue's proof, from the command line: a checkpoint in open_clip's trainer format registered as version 0
+    (`register --from`), indexed, promoted and served over gRPC with no training; then `train` on top of it, whose
+    R matrix keeps row 0. (After the test above: it replaces that test's served app with its own.)"""
+    import grpc
+    import torch
+    from ray import serve
+
+    from clipstream.services import app
+    from clipstream.services.client import Client
+    from clipstream.settings import Settings
+    from clipstream.training.data.synth import held_out_task
+    from clipstream.training.evaluate import BASELINE, ResultMatrix
+    from tests.conftest import FAST
+
+    settings = Settings(home=tmp_path / "home", grpc_port=free_port(), serve_encoder_cpus=0,
+                        serve_search_cpus=0).ensure_dirs()
+    for name, value in settings.env().items():
+        monkeypatch.setenv(name, value)
+    torch.manual_seed(7)
+    pretrained = models.create("clipstream-vit-tiny")
+    checkpoint = tmp_path / "epoch_32.pt"  # as open_clip's trainer saves it (the DDP-wrapped model's state)
+    torch.save({"epoch": 32, "state_dict": {f"module.{k}": v for k, v in pretrained.model.state_dict().items()}},
+               checkpoint)
+    tasks = [Task.load(d) for d in stream]
+
+    assert main(["register", "--from", f"clipstream-vit-tiny:{checkpoint}", "--evaluate", *map(str, stream),
+                 "--zero-shot", str(held_out_task(stream[0].parent)), "--alias", "start"]) == 0
+    assert "registered version 1 (alias candidate)" in capsys.readouterr().out
+    assert main(["index", "--version", "start", "--task", str(stream[0])]) == 0
+    assert main(["promote", "start"]) == 0  # (puts the rest of its gallery in place: the tasks of its row 0)
+    assert "production: none -> v1 [promote]" in capsys.readouterr().out
+    with open_index(settings) as index:
+        assert {n: t["model_version"] for n, t in index.state()["tasks"].items()} == {t.name: "1" for t in tasks}
+
+    serve.shutdown()  # the app of the test above
+    app.start(settings)
+    try:
+        with Client(f"127.0.0.1:{settings.grpc_port}") as client:
+            wait_serving(client.channel)
+            rows = {t.name: t.check("test").rows for t in tasks}
+            images = {t.name: pretrained.embed_images([t.root / r["image"] for r in rows[t.name]]) for t in tasks}
+            caption = rows[tasks[0].name][0]["caption"]
+            query = pretrained.embed_texts([caption])[0]
+            for task in (tasks[0].name, ""):  # task-known, then task-unknown over both galleries
+                scope = [task] if task else list(rows)
+                ids = [r["id"] for name in scope for r in rows[name]]
+                scores = np.concatenate([images[name] for name in scope]) @ query
+                hits = client.search(text=caption, task=task, k=3)
+                assert [h["item_id"] for h in hits] == [ids[i] for i in np.argsort(-scores)[:3]], task
+                assert {h["model_version"] for h in hits} == {h["query_model_version"] for h in hits} == {"1"}
+            # it knows the pretrained model's language (English), and no other
+            vectors, version = client.encode_text([caption], language="en")
+            assert version == "1" and np.allclose(vectors[0], query, atol=1e-5)
+            with pytest.raises(grpc.RpcError) as refused:
+                client.encode_text([caption], language="xa")
+            assert "model version 1 was not trained on language 'xa' (it knows en;" in refused.value.details()
+            assert client.status()["consistent"]
+    finally:
+        serve.shutdown()
+
+    assert main(["train", "--task", str(stream[0]), "--parent", "start", *[f"--set={o}" for o in FAST],
+                 "--set=train.epochs=1"]) == 0
+    out = capsys.readouterr().out
+    assert f"{BASELINE} " in out and "registered version 2" in out
+    trained = Registry(settings).resolve("2")
+    assert trained.tags["parent_version"] == "1" and trained.tags["task_index"] == "0"
+    known = ResultMatrix.from_dict(trained.manifest["matrix"]["known"])
+    assert known.shown()[0] == [BASELINE, tasks[0].name] and known.baseline == \
+        ResultMatrix.from_dict(Registry(settings).resolve("1").manifest["matrix"]["known"]).baseline
+    assert len(trained.manifest["zero_shot"]["Rm"]) == 2  # zero-shot retention measured from version 0

@@ -125,18 +125,32 @@ def evaluate_seen(embedded: Sequence[Embedded]) -> dict[str, dict[str, dict[str,
     return {"known": known, "unknown": unknown}
 
 
+BASELINE = "pretrained"  # the label of a matrix's row 0: the version a stream started from, before any training
+
+
 class ResultMatrix:
     """R[i][j] = score (e.g. Rm) of the model after task i on task j, j <= i; NaN above the diagonal.
-    Grows one row per task, so AA, forgetting and BWT can be read after every task of the stream."""
+    Grows one row per task, so AA, forgetting and BWT can be read after every task of the stream.
 
-    def __init__(self, tasks: list[str] | None = None, rows: list[list[float]] | None = None):
+    `baseline` is row 0, "before any training": the scores of the stream's version 0 (a pretrained model registered
+    with `clipstream register --from ... --evaluate`) on the tasks it was evaluated on, which may be tasks the stream
+    has not reached yet. It is kept beside the trained rows, not among them: AA, forgetting and BWT stay the papers'
+    definitions over the trained rows (forgetting is measured from the best score after a task was learnt, never
+    from the pretrained one), while the table, the heatmap and the curves show it first, labelled `BASELINE`. Its
+    task-unknown scores rank each query in the union of the galleries of every task it was evaluated on."""
+
+    def __init__(self, tasks: list[str] | None = None, rows: list[list[float]] | None = None,
+                 baseline: dict[str, float] | None = None):
         tasks, rows = list(tasks or []), [list(map(float, r)) for r in rows or []]
         if len(tasks) != len(rows) or len(set(tasks)) != len(tasks):
             raise ValueError(f"need one row per distinct task, got tasks {tasks} and {len(rows)} rows")
         for i, row in enumerate(rows):
             if len(row) != i + 1 or not all(map(math.isfinite, row)):
                 raise ValueError(f"row {i} must hold {i + 1} finite scores, got {row}")
-        self.tasks, self._rows = tasks, rows
+        baseline = {str(k): float(v) for k, v in (baseline or {}).items()}
+        if not all(map(math.isfinite, baseline.values())):
+            raise ValueError(f"the {BASELINE} row must hold finite scores, got {baseline}")
+        self.tasks, self._rows, self.baseline = tasks, rows, baseline
 
     def add_row(self, task: str, scores: dict[str, float]) -> None:
         """Append the evaluation after training on `task`: scores for every seen task and `task`."""
@@ -194,12 +208,29 @@ class ResultMatrix:
             "forgetting": self.forgetting(),
             "mean_forgetting": self.mean_forgetting(),
             "bwt": self.bwt(),
+            **({"baseline": {"label": BASELINE, "scores": dict(self.baseline)}} if self.baseline else {}),
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> ResultMatrix:
         """Inverse of to_dict (summary numbers are recomputed, not read)."""
-        return cls(d["tasks"], [row[: i + 1] for i, row in enumerate(d["values"])])
+        return cls(d["tasks"], [row[: i + 1] for i, row in enumerate(d["values"])],
+                   (d.get("baseline") or {}).get("scores"))
+
+    @property
+    def columns(self) -> list[str]:
+        """The tasks shown: the trained ones in order, then those only the baseline row holds."""
+        return self.tasks + [t for t in self.baseline if t not in self.tasks]
+
+    def shown(self) -> tuple[list[str], np.ndarray]:
+        """(row labels, [rows, columns] array, NaN where no score) of what the table and the plots show: the
+        baseline row first when there is one, then the trained rows."""
+        columns, labels = self.columns, ([BASELINE] if self.baseline else []) + self.tasks
+        out = np.full((len(labels), len(columns)), np.nan)
+        if self.baseline:
+            out[0] = [self.baseline.get(t, np.nan) for t in columns]
+        out[len(labels) - len(self.tasks):, :len(self.tasks)] = self.values
+        return labels, out
 
     def heatmap(self, path: str | Path, title: str = "R[i][j] (Rm)") -> Path:
         """Write the matrix as an annotated PNG heatmap (blank above the diagonal); returns the path.
@@ -208,17 +239,17 @@ class ResultMatrix:
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        v, n = self.values, len(self.tasks)
+        labels, v = self.shown()
+        columns, n = self.columns, max(len(labels), len(self.columns))
         fig = Figure(figsize=(1.6 + 0.9 * max(n, 2), 1.2 + 0.8 * max(n, 2)))
         ax = fig.add_subplot()
         im = ax.imshow(np.ma.masked_invalid(v), cmap="viridis")
         lo, hi = im.get_clim()
-        for i in range(n):
-            for j in range(i + 1):
-                dark = hi == lo or (v[i, j] - lo) / (hi - lo) < 0.5
-                ax.text(j, i, f"{v[i, j]:.1f}", ha="center", va="center", color="white" if dark else "black")
-        ax.set_xticks(range(n), self.tasks, rotation=45, ha="right")
-        ax.set_yticks(range(n), self.tasks)
+        for i, j in zip(*np.nonzero(np.isfinite(v))):
+            dark = hi == lo or (v[i, j] - lo) / (hi - lo) < 0.5
+            ax.text(j, i, f"{v[i, j]:.1f}", ha="center", va="center", color="white" if dark else "black")
+        ax.set_xticks(range(len(columns)), columns, rotation=45, ha="right")
+        ax.set_yticks(range(len(labels)), labels)
         ax.set_xlabel("on task j")
         ax.set_ylabel("after task i")
         ax.set_title(title)
@@ -232,15 +263,18 @@ class ResultMatrix:
         forgetting looks like), and AA, as a PNG line plot; returns the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        v, n = self.values, len(self.tasks)
+        labels, v = self.shown()
+        n, first = len(labels), len(labels) - len(self.tasks)  # (first: the row of the first trained task)
         from matplotlib.figure import Figure
 
         fig = Figure(figsize=(2.5 + 0.9 * max(n, 2), 4), layout="constrained")
         ax = fig.add_subplot()
-        for j, task in enumerate(self.tasks):
-            ax.plot(range(j, n), v[j:, j], "o-", label=task)
-        ax.plot(range(n), [self.average_accuracy(i) for i in range(n)], "k--", lw=2, label="AA")
-        ax.set_xticks(range(n), self.tasks, rotation=30, ha="right")
+        for j, task in enumerate(self.columns):
+            rows = np.flatnonzero(np.isfinite(v[:, j]))  # the baseline's score, then from the task's own row on
+            ax.plot(rows, v[rows, j], "o-", label=task)
+        if self.tasks:
+            ax.plot(range(first, n), [self.average_accuracy(i) for i in range(len(self.tasks))], "k--", lw=2, label="AA")
+        ax.set_xticks(range(n), labels, rotation=30, ha="right")
         ax.set(xlabel="after task i", ylabel="Rm (mean recall@1,5,10, %)", title=title)
         ax.legend(fontsize=8)
         fig.savefig(path, format="png", dpi=100)
@@ -250,12 +284,18 @@ class ResultMatrix:
         """Fixed-width text table (rows: after task i, columns: on task j, last column AA_i) followed by
         the final AA, per-task forgetting and BWT, for the CLI."""
         head = "after \\ on"
-        w = max([8] + [len(t) + 1 for t in self.tasks])
-        lw = max(len(head), w)
-        lines = [head.ljust(lw) + "".join(t.rjust(w) for t in self.tasks) + "AA".rjust(w)]
+        columns = self.columns
+        w = max([8] + [len(t) + 1 for t in columns])
+        lw = max(len(head), w, len(BASELINE))
+        lines = [head.ljust(lw) + "".join(t.rjust(w) for t in columns) + "AA".rjust(w)]
+        if self.baseline:  # (no AA: it is not a trained row)
+            lines.append(BASELINE.ljust(lw) + "".join((f"{self.baseline[t]:.2f}" if t in self.baseline else "").rjust(w)
+                                                      for t in columns))
         for i, (task, row) in enumerate(zip(self.tasks, self._rows)):
-            cells = [f"{x:.2f}".rjust(w) for x in row] + [" " * w] * (len(self.tasks) - len(row))
+            cells = [f"{x:.2f}".rjust(w) for x in row] + [" " * w] * (len(columns) - len(row))
             lines.append(task.ljust(lw) + "".join(cells) + f"{self.average_accuracy(i):.2f}".rjust(w))
+        if not self.tasks and self.baseline:  # row 0 alone: nothing trained, nothing forgotten yet
+            return "\n".join(lines)
         if self.tasks:
             lines.append(f"AA (after {self.tasks[-1]}): {self.average_accuracy():.2f}")
         per_task = ", ".join(f"{t} {f:.2f}" for t, f in self.forgetting().items())

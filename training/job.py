@@ -150,11 +150,7 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
     epoch checkpoint and marks the MLflow run it left RUNNING as KILLED; a task that already registered a version
     from the same parent, method and data is refused (`AlreadyRegistered`) unless `retrain`."""
     tic = time.perf_counter()
-    for alias in aliases:  # MLflow's alias rules, checked before anything runs; production moves only by promotion
-        if not re.fullmatch(r"[A-Za-z0-9_-]{1,255}", alias) or re.fullmatch(r"v\d+|latest", alias, re.I) \
-                or alias in (PRODUCTION, CANDIDATE):
-            raise ValueError(f"alias {alias!r}: use letters, digits, '_' and '-' (not 'v<number>', 'latest', "
-                             f"{PRODUCTION!r} or {CANDIDATE!r})")
+    check_aliases(aliases)
     methods.resolve(method, overrides)  # a bad preset or --set fails here, before anything is written
     settings = (settings or Settings()).ensure_dirs()
     models.placement(settings.embed_precision)  # the evaluation's, refused here if this process cannot run it
@@ -184,6 +180,15 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
                       len(plan.skipped), time.perf_counter() - tic, result.zero_shot)
 
 
+def check_aliases(aliases: Iterable[str]) -> None:
+    """MLflow's alias rules, checked before anything runs; production moves only by promotion."""
+    for alias in aliases:
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,255}", alias) or re.fullmatch(r"v\d+|latest", alias, re.I) \
+                or alias in (PRODUCTION, CANDIDATE):
+            raise ValueError(f"alias {alias!r}: use letters, digits, '_' and '-' (not 'v<number>', 'latest', "
+                             f"{PRODUCTION!r} or {CANDIDATE!r})")
+
+
 def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optional[str], workers: int,
             overrides: Iterable[str] = (), wait_parent_s: float = 0.0, zero_shot: Iterable[str | Path] = (),
             retrain: bool = False) -> Plan:
@@ -206,7 +211,7 @@ def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optio
             "parent_version": parent_v.version if parent_v else "", "data_sha": current["data_sha"]}
     generation = 0 if not retrain else len(resume.same_versions(registry, tags))
     resume.refuse_registered(registry, tags, generation)
-    held_out = _zero_shot_entries(zero_shot, parent_v, [*(parent_v.lineage if parent_v else []), current])
+    held_out = zero_shot_entries(zero_shot, parent_v, [*(parent_v.lineage if parent_v else []), current])
     plan = Plan(config, stack, task, parent_v, current, [], 0, [], workers,
                 Path(tempfile.mkdtemp(prefix="clipstream-job-")), zero_shot=held_out)
     try:
@@ -222,7 +227,7 @@ def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optio
     return plan
 
 
-def _zero_shot_entries(dirs: Iterable[str | Path], parent: Optional[Version], trained: list[dict]) -> list[dict]:
+def zero_shot_entries(dirs: Iterable[str | Path], parent: Optional[Version], trained: list[dict]) -> list[dict]:
     """The held-out tasks of this version: the given directories (test split checked now), else the parent's.
     A task the stream trains on is not zero-shot, and is refused."""
     dirs = list(dirs)
@@ -366,22 +371,15 @@ def evaluate_version(plan: Plan, trained: Path, plots: Path, run: RunLog, precis
     gallery = sum(len(e.txt) for e in embedded)
     scores = evaluate.evaluate_seen(embedded)
     previous = plan.parent.manifest.get("matrix", {}) if plan.parent else {}
-    matrices, logged = {}, {}  # (the metrics of every seen task go to MLflow in one call)
-    for mode in ("known", "unknown"):
-        matrix = evaluate.ResultMatrix.from_dict(previous[mode]) if previous else evaluate.ResultMatrix()
-        matrix.add_row(plan.task.name, {name: m["Rm"] for name, m in scores[mode].items()})
-        for name, metrics in scores[mode].items():
-            logged.update({f"eval/{mode}/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
-        logged.update({f"{mode}/AA": matrix.average_accuracy(), f"{mode}/forgetting": matrix.mean_forgetting(),
-                       f"{mode}/BWT": matrix.bwt()})
-        run.log_dict(matrix.to_dict(), f"matrix_{mode}.json")
-        matrix.heatmap(plots / f"{plan.run_name}-{mode}.png", title=f"R[i][j] (Rm, task-{mode}) after {plan.task.name}")
-        matrix.curves(plots / f"{plan.run_name}-{mode}-recall.png", title=f"task-{mode} Rm over the stream")
-        matrices[mode] = matrix
-    run.log_metrics(logged)
-    zero_shot, zero_shot_pairs = _zero_shot(plan, bundle, batch, run)
+    matrices = {}
+    for mode in MODES:  # the parent's matrices (with their row 0, if the stream started from a version 0) grow a row
+        matrices[mode] = evaluate.ResultMatrix.from_dict(previous[mode]) if previous else evaluate.ResultMatrix()
+        matrices[mode].add_row(plan.task.name, {name: m["Rm"] for name, m in scores[mode].items()})
+    log_evaluation(run, scores, matrices, plots, plan.run_name, f"after {plan.task.name}")
+    before = (plan.parent.manifest.get("zero_shot") or {}) if plan.parent else {}
+    zero_shot, zero_shot_pairs = evaluate_zero_shot(plan.zero_shot, before, bundle, batch, run)
     embedded_pairs = gallery + zero_shot_pairs
-    if plan.parent:  # how the old tasks' test pairs moved from the parent to this version
+    if plan.history:  # how the old tasks' test pairs moved from the parent to this version (a version 0 has none)
         before = evaluate.GALLERIES.get(plan.parent.run_id, plan.history, batch)
         if before is None:  # (the parent was evaluated in another process)
             parent = models.load_exported(plan.parent.folder).to(*placed)
@@ -405,18 +403,43 @@ def evaluate_version(plan: Plan, trained: Path, plots: Path, run: RunLog, precis
     return Evaluation(matrices["known"], matrices["unknown"], plots / f"{plan.run_name}-known.png", zero_shot)
 
 
-def _zero_shot(plan: Plan, bundle: models.ClipBundle, batch_size: int, run: RunLog) -> tuple[list[float], int]:
-    """Retrieval on the held-out tasks (each in its own gallery), logged per task and as the mean Rm with its
-    drop from the first version evaluated on the same set; returns that mean for every such version so far, and
-    the test pairs embedded."""
-    if not plan.zero_shot:
+MODES = ("known", "unknown")  # task-known and task-unknown galleries
+
+
+def log_evaluation(run: RunLog, scores: dict, matrices: dict[str, evaluate.ResultMatrix], plots: Path, run_name: str,
+                   when: str) -> None:
+    """A version's evaluation into its run: every task's metrics (`evaluate.evaluate_seen`), the summary of each
+    mode's matrix (AA, forgetting, BWT over its trained rows; a matrix of row 0 alone, its mean as `MODE/pretrained_Rm`),
+    the matrices as JSON and their heatmaps and curves under `plots` (titled with `when` it was evaluated)."""
+    logged = {}  # (the metrics of every task go to MLflow in one call)
+    for mode in MODES:
+        matrix = matrices[mode]
+        for name, metrics in scores[mode].items():
+            logged.update({f"eval/{mode}/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
+        if matrix.tasks:
+            logged.update({f"{mode}/AA": matrix.average_accuracy(), f"{mode}/forgetting": matrix.mean_forgetting(),
+                           f"{mode}/BWT": matrix.bwt()})
+        elif matrix.baseline:
+            logged[f"{mode}/{evaluate.BASELINE}_Rm"] = float(np.mean(list(matrix.baseline.values())))
+        run.log_dict(matrix.to_dict(), f"matrix_{mode}.json")
+        matrix.heatmap(plots / f"{run_name}-{mode}.png", title=f"R[i][j] (Rm, task-{mode}) {when}")
+        matrix.curves(plots / f"{run_name}-{mode}-recall.png", title=f"task-{mode} Rm over the stream")
+    run.log_metrics(logged)
+
+
+def evaluate_zero_shot(entries: list[dict], before: dict, bundle: models.ClipBundle, batch_size: int,
+                       run: RunLog) -> tuple[list[float], int]:
+    """Retrieval on the held-out tasks `entries` (each in its own gallery), logged per task and as the mean Rm with
+    its drop from the first version evaluated on the same set (`before`: the parent's manifest entry; a stream that
+    starts from a version 0 measures from the pretrained model, as the papers do); returns that mean for every such
+    version so far, and the test pairs embedded."""
+    if not entries:
         return [], 0
-    embedded = evaluate.embed_tasks(bundle, [_task_of(e) for e in plan.zero_shot], batch_size=batch_size)
+    embedded = evaluate.embed_tasks(bundle, [_task_of(e) for e in entries], batch_size=batch_size)
     scores = {e.task: evaluate.retrieval_metrics(e.img, e.txt, e.positive) for e in embedded}
     for name, metrics in scores.items():
         run.log_metrics({f"eval/zero_shot/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
-    before = (plan.parent.manifest.get("zero_shot") or {}) if plan.parent else {}
-    same_set = before.get("tasks") == plan.zero_shot  # (same names, paths and data) else the history restarts
+    same_set = before.get("tasks") == entries  # (same names, paths and data) else the history restarts
     history = [*(before.get("Rm", []) if same_set else []), float(np.mean([m["Rm"] for m in scores.values()]))]
     run.log_metrics({"zero_shot/Rm": history[-1], "zero_shot/drop": history[0] - history[-1]})
     return history, sum(len(e.txt) for e in embedded)
@@ -425,22 +448,27 @@ def _zero_shot(plan: Plan, bundle: models.ClipBundle, batch_size: int, run: RunL
 def register(registry: Registry, plan: Plan, trained: Path, result: Evaluation, run_id: str) -> str:
     """The trained folder + its manifest (lineage, matrices, config, unchanged towers) as the next
     version of the stream, the model of run `run_id`."""
-    (trained / MANIFEST).write_text(json.dumps({
+    return publish(registry, trained, {
         "lineage": [*plan.history, plan.current],
         "matrix": {"known": result.known.to_dict(), "unknown": result.unknown.to_dict()},
         "config": plan.config, "parent_version": plan.tags["parent_version"],
         "zero_shot": {"tasks": plan.zero_shot, "Rm": result.zero_shot} if plan.zero_shot else None,
-        "tokenizer": {"sha": models.tokenizer_digest(trained), "vocab_size": _vocab_size(trained)},
         "unchanged_towers": [t for t in ("image", "text") if plan.parent and t not in plan.method.trains_towers],
         "image_tower": plan.parent.image_tower if plan.parent and "image" not in plan.method.trains_towers else None},
-        indent=2))
-    version = registry.register(trained, plan.tags, run_id=run_id)
-    for alias in plan.aliases:
+        plan.tags, plan.aliases, run_id)
+
+
+def publish(registry: Registry, folder: Path, manifest: dict, tags: dict, aliases: Iterable[str], run_id: str) -> str:
+    """An open_clip folder with its manifest (+ the tokenizer that `folder` holds) registered as the next version of
+    the stream, the model of run `run_id`, with alias `candidate` and `aliases`: how every version is made, trained
+    or not (a version 0)."""
+    manifest = {**manifest, "tokenizer": {"sha": models.tokenizer_digest(folder), "vocab_size": _vocab_size(folder)}}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    version = registry.register(folder, tags, run_id=run_id)
+    for alias in aliases:
         registry.set_alias(alias, version)
     registry.log(run_id).set_tag("model_version", version)
     return version
-
-
 
 
 def _share(path, dest: Path) -> Optional[str]:

@@ -55,6 +55,11 @@ EXAMPLES = {
   clipstream data synth --out data/stream
   clipstream train --task data/stream/task-00-household --method ewc
   clipstream train --task data/stream/task-01-furnishing --method ewc --parent candidate --set train.epochs=2""",
+    "register": """examples:
+  clipstream register --from ViT-B-32:laion2b_s34b_b79k --evaluate data/stream/task-00-household --zero-shot data/stream/zero-shot-toys
+  clipstream register --from ViT-B-32:/data/ckpt.pt --alias start
+  clipstream register --from hf-hub:laion/CLIP-ViT-B-32-laion2B-s34B-b79K
+  clipstream train --task data/stream/task-00-household --parent start""",
     "index": """examples:
   clipstream index --version candidate --task data/stream/task-00-household
   clipstream index --version 3 --task data/stream/task-01-furnishing --policy reindex""",
@@ -136,6 +141,19 @@ def parser() -> argparse.ArgumentParser:
                        "refused, and an interrupted one resumes from its last epoch checkpoint)")
     training_args(train)
     train.set_defaults(func=training._train)
+
+    rg = sub.add_parser("register", help="register an existing CLIP (pretrained tag, checkpoint, hf-hub model, exported "
+                        "folder) as the stream's version 0, with no training")
+    rg.add_argument("--from", dest="source", required=True, metavar="SOURCE",
+                    help="ARCH:PRETRAINED (an open_clip pretrained tag or a checkpoint file, e.g. ViT-B-32:laion2b_s34b_b79k "
+                         "or ViT-B-32:/data/ckpt.pt), hf-hub:ORG/NAME, or an exported clipstream/open_clip folder")
+    rg.add_argument("--evaluate", nargs="+", default=[], metavar="TASK",
+                    help="task folders whose test splits make row 0 of the R matrix ('pretrained', before any training); "
+                         "the version serves their galleries")
+    rg.add_argument("--zero-shot", nargs="+", default=[], metavar="TASK",
+                    help="held-out tasks no version trains on: the zero-shot baseline later versions' drop is measured from")
+    rg.add_argument("--alias", action="append", default=[], help="also set this alias on the new version (repeatable)")
+    rg.set_defaults(func=training._register)
 
     ev = sub.add_parser("eval", help="evaluate a registered version on its tasks (or the given ones)")
     ev.add_argument("--version", help="a version number or alias (default: the newest candidate)")

@@ -41,6 +41,20 @@ def print_result(result) -> None:
     print(f"\nheatmap: {result.heatmap}")
 
 
+def print_registered(result) -> None:
+    """What `clipstream register` made: a version 0 and its row 0."""
+    print(f"registered version {result.version} (alias candidate) from {result.source}: untrained, stream position 0 "
+          f"[{result.seconds:.0f} s]")
+    if result.known.baseline:
+        print("\ntask-known Rm before any training (row 0):\n" + result.known.format_table())
+        print("\ntask-unknown Rm:\n" + result.unknown.format_table())
+    if result.zero_shot:
+        print(f"\nzero-shot (held-out tasks) Rm: {result.zero_shot[-1]:.2f}: later versions' drop is measured from it")
+    if result.heatmap:
+        print(f"\nheatmap: {result.heatmap}")
+    print(f"next: clipstream train --task TASK --parent {result.version}")
+
+
 def print_promotion(result: dict) -> None:
     from clipstream.promotion import gate_rows
 

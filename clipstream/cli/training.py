@@ -1,8 +1,8 @@
-"""`clipstream train`, `eval` and `bench`: jobs that make and measure versions."""
+"""`clipstream train`, `register`, `eval` and `bench`: jobs that make and measure versions."""
 
 from __future__ import annotations
 
-from clipstream.cli.render import print_result
+from clipstream.cli.render import print_registered, print_result
 from clipstream.settings import Settings
 
 
@@ -15,6 +15,12 @@ def _train(args) -> None:
     print_result(result)
 
 
+def _register(args) -> None:
+    from clipstream.training.version0 import register_version0
+
+    print_registered(register_version0(args.source, args.evaluate, args.zero_shot, args.alias, Settings()))
+
+
 def _eval(args) -> None:
     from clipstream import models
     from clipstream.registry import CANDIDATE, Registry
@@ -24,7 +30,9 @@ def _eval(args) -> None:
     settings = Settings()
     version = Registry(settings).resolve(args.version or CANDIDATE)
     bundle = models.load_exported(version.folder).to(*models.placement(settings.embed_precision))
-    tasks = [Task.load(p) for p in args.task] or [Task.load(e["path"]) for e in version.lineage]
+    tasks = [Task.load(p) for p in args.task] or [Task.load(e["path"]) for e in version.gallery]
+    if not tasks:
+        raise ValueError(f"version {version.version} was trained and evaluated on no task: name tasks with --task")
     if args.through_index:
         from clipstream.index import open_index
         from clipstream.indexing import evaluate_through_index
@@ -38,7 +46,8 @@ def _eval(args) -> None:
     else:
         scores = evaluate.evaluate_seen([evaluate.embed_task(bundle, t) for t in tasks])
     source = "through the index" if args.through_index else "in memory"
-    print(f"version {version.version} ({version.tags.get('method')}, after task {version.tags.get('task')}), {source}")
+    after = f"after task {version.tags['task']}" if version.tags.get("task") else "before any training"
+    print(f"version {version.version} ({version.tags.get('method')}, {after}), {source}")
     print(evaluate.format_scores(scores))
 
 

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -86,6 +87,86 @@ def test_corrupt_image_is_reported_with_file_and_row(tmp_path, stream, capsys, s
     assert main(["data", "check", "--task", str(task), "--on-bad-image", "skip"]) == 0
     out = capsys.readouterr().out
     assert "1 skipped" in out and "train.jsonl:1: corrupt image" in out
+
+
+@pytest.fixture
+def sources(tmp_path):
+    """Model sources in open_clip's formats, good and bad: {name: --from value}."""
+    import numpy as np
+    import torch
+
+    from clipstream import models
+
+    torch.manual_seed(0)
+    tiny = models.create("clipstream-vit-tiny")
+    torch.save(tiny.model.state_dict(), tmp_path / "tiny.pt")
+    torch.save(models.create("clipstream-vit-small").model.state_dict(), tmp_path / "small.pt")
+    (tmp_path / "garbage.pt").write_bytes(np.random.default_rng(0).bytes(4096))
+    whole = (tmp_path / "tiny.pt").read_bytes()
+    (tmp_path / "truncated.pt").write_bytes(whole[:len(whole) // 3])
+    (tmp_path / "not-an-export").mkdir()
+    (tmp_path / "not-an-export" / "weights.pt").write_bytes(whole)
+    models.export(tiny, tmp_path / "export")
+    return {"checkpoint": f"clipstream-vit-tiny:{tmp_path / 'tiny.pt'}", "export": str(tmp_path / "export"),
+            **{name: f"clipstream-vit-tiny:{tmp_path / (name + '.pt')}" for name in ("small", "garbage", "truncated")},
+            "missing": f"clipstream-vit-tiny:{tmp_path / 'missing.pt'}", "not-an-export": str(tmp_path / "not-an-export")}
+
+
+@pytest.mark.parametrize("source, message", [
+    ("ViT-B-99:openai", "unknown architecture 'ViT-B-99'; close ones: ViT-B-32"),
+    ("ViT-B-32:laion9b_nope", "'laion9b_nope' is neither a checkpoint file nor a pretrained tag of ViT-B-32"),
+    ("{missing}", "missing.pt' is neither a checkpoint file nor a pretrained tag of clipstream-vit-tiny"),
+    ("{garbage}", "garbage.pt: open_clip cannot load it (a corrupt or truncated file"),
+    ("{truncated}", "truncated.pt: open_clip cannot load it (a corrupt or truncated file"),
+    ("{small}", "small.pt: open_clip cannot load it"),  # the weights of another architecture
+    ("{not-an-export}", "not-an-export is not an exported model: open_clip_config.json missing"),
+    ("ViT-B-32", "'ViT-B-32': give ARCH:PRETRAINED"),
+])
+def test_register_refuses_a_bad_source_in_one_line_and_registers_nothing(source, message, sources, settings, stream,
+                                                                        capsys):
+    from clipstream.registry import Registry
+
+    source = source.format(**sources)
+    assert main(["register", "--from", source, "--evaluate", str(stream[0])]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if not line.startswith("clipstream: Ray, DeepSpeed")]
+    assert len(lines) == 1 and lines[0].startswith("clipstream: error: ") and message in lines[0], err
+    registry = Registry(settings)
+    assert registry.versions() == [] and registry.client.get_experiment_by_name(registry.name) is None  # no run either
+
+
+def test_register_a_download_the_network_refuses_exits_1_and_registers_nothing(settings, monkeypatch, capsys):
+    """This machine reaches no hub; offline mode fails the same way at once."""
+    import huggingface_hub.constants
+
+    from clipstream.registry import Registry
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    for source in ("ViT-B-32:laion2b_s34b_b79k", "hf-hub:laion/CLIP-ViT-B-32-laion2B-s34B-b79K"):
+        assert main(["register", "--from", source]) == 1
+        lines = [line for line in capsys.readouterr().err.strip().splitlines() if "log to" not in line]
+        assert len(lines) == 1 and lines[0].startswith(f"clipstream: error: {source}: could not be downloaded"), lines
+    assert Registry(settings).versions() == []
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "export"])
+def test_register_from_a_checkpoint_or_an_export_folder_makes_version_0(kind, sources, settings, stream, capsys):
+    from clipstream.registry import Registry
+
+    assert main(["register", "--from", sources[kind], "--evaluate", str(stream[0]), "--alias", "start"]) == 0
+    out = capsys.readouterr().out
+    assert f"registered version 1 (alias candidate) from {sources[kind]}: untrained, stream position 0" in out
+    assert "pretrained" in out and "next: clipstream train --task TASK --parent 1" in out
+    version = Registry(settings).resolve("start")
+    assert version.tags["source"] == sources[kind] and version.manifest["lineage"] == []
+    assert main(["runs"]) == 0
+    assert capsys.readouterr().out.splitlines()[2].split()[:4] == ["1", "candidate,start", "pretrained", "-"]
+    assert main(["eval", "--version", "start"]) == 0  # on the tasks of its row 0
+    out = capsys.readouterr().out
+    assert "version 1 (pretrained, before any training), in memory" in out and Path(stream[0]).name in out
+    if kind == "export":  # registered again without --evaluate: it serves no task, and says so
+        assert main(["register", "--from", sources[kind]]) == 0 and main(["eval", "--version", "2"]) == 2
+        assert "version 2 was trained and evaluated on no task: name tasks with --task" in capsys.readouterr().err
 
 
 def test_runs_on_an_empty_registry_says_so(settings, capsys):

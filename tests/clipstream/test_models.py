@@ -68,6 +68,83 @@ def test_bad_references_give_clear_errors(tmp_path):
         models.load_exported(tmp_path / "empty")
 
 
+def _same_weights(a, b):
+    for (name, x), (_, y) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+        assert torch.equal(x.reshape(-1), y.reshape(-1)), name
+
+
+def test_from_source_loads_open_clips_checkpoint_formats_and_export_folders(tmp_path, monkeypatch):
+    torch.manual_seed(2)
+    bundle = models.create("clipstream-vit-tiny")
+    torch.save(bundle.model.state_dict(), tmp_path / "plain.pt")  # torch.save(model.state_dict())
+    # as open_clip's trainer writes it: epoch, optimizer, and the DDP-wrapped model's state under "state_dict"
+    torch.save({"epoch": 3, "name": "run", "state_dict": {f"module.{k}": v for k, v in bundle.model.state_dict().items()}},
+               tmp_path / "epoch_3.pt")
+    models.export(bundle, tmp_path / "export")
+    monkeypatch.chdir(tmp_path)
+    for source, recorded in (("clipstream-vit-tiny:plain.pt", f"clipstream-vit-tiny:{tmp_path / 'plain.pt'}"),
+                             (f"clipstream-vit-tiny:{tmp_path / 'epoch_3.pt'}", f"clipstream-vit-tiny:{tmp_path / 'epoch_3.pt'}"),
+                             ("export", str(tmp_path / "export"))):
+        loaded, named = models.from_source(source)
+        _same_weights(bundle, loaded)
+        assert loaded.arch == "clipstream-vit-tiny" and named == recorded
+
+
+def test_from_source_refuses_what_open_clip_cannot_load_in_one_line(tmp_path):
+    torch.manual_seed(3)
+    tiny = models.create("clipstream-vit-tiny")
+    torch.save(tiny.model.state_dict(), tmp_path / "tiny.pt")
+    torch.save(models.create("clipstream-vit-small").model.state_dict(), tmp_path / "small.pt")
+    (tmp_path / "garbage.pt").write_bytes(np.random.default_rng(0).bytes(4096))
+    whole = (tmp_path / "tiny.pt").read_bytes()
+    (tmp_path / "truncated.pt").write_bytes(whole[:len(whole) // 2])
+    (tmp_path / "not-an-export").mkdir()
+    cases = {
+        "no-such-arch:x.pt": "unknown architecture 'no-such-arch'",
+        "ViT-B-32:no_such_tag": "'no_such_tag' is neither a checkpoint file nor a pretrained tag of ViT-B-32 (its tags: openai,",
+        f"clipstream-vit-tiny:{tmp_path / 'missing.pt'}": "is neither a checkpoint file nor a pretrained tag",
+        f"clipstream-vit-tiny:{tmp_path / 'garbage.pt'}": "open_clip cannot load it (a corrupt or truncated file",
+        f"clipstream-vit-tiny:{tmp_path / 'truncated.pt'}": "PytorchStreamReader failed reading zip archive",
+        f"clipstream-vit-tiny:{tmp_path / 'small.pt'}": "open_clip cannot load it",  # another architecture's weights
+        "clipstream-vit-tiny": "give ARCH:PRETRAINED",
+        str(tmp_path / "missing-folder"): "give ARCH:PRETRAINED",
+    }
+    for source, message in cases.items():
+        with pytest.raises(ValueError) as refused:
+            models.from_source(source)
+        assert message in str(refused.value) and "\n" not in str(refused.value) and len(str(refused.value)) < 600, source
+    with pytest.raises(FileNotFoundError, match="not-an-export is not an exported model"):
+        models.from_source(str(tmp_path / "not-an-export"))
+
+
+def test_a_download_that_cannot_reach_the_hub_is_a_dependency_failure_not_bad_input(monkeypatch):
+    """This machine reaches no hub; offline mode makes the same failure at once (no retries)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    for source in ("ViT-B-32:laion2b_s34b_b79k", "hf-hub:laion/CLIP-ViT-B-32-laion2B-s34B-b79K"):
+        with pytest.raises(models.ModelUnavailable, match="could not be downloaded") as failed:
+            models.from_source(source)
+        assert isinstance(failed.value, ConnectionError) and source in str(failed.value)
+
+
+def test_an_hf_hub_model_that_does_not_exist_is_bad_input(monkeypatch):
+    """The hub answering "no such repository" cannot be produced without a network: its error is raised where
+    huggingface_hub would raise it."""
+    import httpx
+    from huggingface_hub import errors
+
+    def missing(repo_id, filename, **kwargs):
+        response = httpx.Response(404, request=httpx.Request("GET", f"https://huggingface.co/{repo_id}/{filename}"))
+        raise errors.RepositoryNotFoundError(f"404 Client Error: Repository Not Found for url: {repo_id}",
+                                             response=response)
+
+    monkeypatch.setattr("open_clip.pretrained.hf_hub_download", missing)
+    with pytest.raises(ValueError, match="hf-hub:nobody/nothing: open_clip cannot load it") as refused:
+        models.from_source("hf-hub:nobody/nothing")
+    assert not isinstance(refused.value, ConnectionError)
+
+
 def _images(tmp_path):
     """Five image files, the first grayscale (embedding must convert it to RGB)."""
     rng = np.random.default_rng(0)

@@ -157,3 +157,54 @@ def test_promotion_indexes_the_gallery_before_moving_the_alias(ray_cluster, sett
     rollback(reindex)  # the gallery becomes exactly version 1's lineage, in one new generation
     assert _indexed(settings) == (2, {t0: v1}) and _production(settings) == v1
     assert Registry(settings).resolve(v1, download=False).tags["index_policy"] == "reindex"
+
+
+def test_version_0_is_indexed_promoted_and_replaced_with_no_training(settings, stream, make, tmp_path):
+    """A version 0 (`clipstream register --from`, trained on nothing) serves the tasks of its row 0: it indexes them,
+    passes the gates when nothing is in production, and a trained child is promoted over it without an AA to
+    compare; promoting it back over a trained version is refused with the reason."""
+    import torch
+
+    from clipstream import models
+    from clipstream.indexing import index_task
+    from clipstream.training.version0 import register_version0
+
+    torch.manual_seed(0)
+    torch.save(models.create("clipstream-vit-tiny").model.state_dict(), tmp_path / "ckpt.pt")
+    v0 = register_version0(f"clipstream-vit-tiny:{tmp_path / 'ckpt.pt'}", stream[:1], settings=settings).version
+    names = [Task.load(d).name for d in stream]
+    state = index_task(settings, v0, stream[0])
+    assert {n: (t["task_index"], t["model_version"]) for n, t in state["tasks"].items()} == {names[0]: (0, v0)}
+    with pytest.raises(ValueError, match=f"version {v0} is a version 0 \\(trained on no task\\): it serves the tasks "
+                                         f"it was evaluated on \\(its tasks: {names[0]}\\), not '{names[1]}'"):
+        index_task(settings, v0, stream[1])
+
+    first = promote(settings, v0)
+    assert _production(settings) == v0 and all(g.passed for g in first["gates"])
+    assert next(g for g in first["gates"] if g.name == "forgetting").detail == \
+        f"version {v0} was trained on no task: nothing to forget"
+    with open_index(settings) as index:
+        assert index.state()["query_version"] == v0
+
+    child = make(stream[:1], aa=20.0, forgetting=0.0, parent=v0)
+    promoted = promote(settings, child)
+    aa = next(g for g in promoted["gates"] if g.name == "aa")
+    assert aa.passed and aa.detail == f"production v{v0} was trained on no task: no AA to compare"
+    assert _production(settings) == child
+
+    with pytest.raises(PromotionError) as refused:
+        promote(settings, v0)
+    assert {g.name for g in refused.value.gates if not g.passed} == {"aa", "lineage"}
+    assert f"version {v0} was trained on no task: it has no task-known AA to compare with production v{child}'s" in \
+        str(refused.value)
+
+    # under reindex, the version 0 put back (a rollback) re-embeds exactly the tasks of its row 0
+    back = rollback(settings.model_copy(update={"index_policy": "reindex"}))
+    assert back["to_version"] == v0 and _production(settings) == v0
+    with open_index(settings) as index:
+        assert {n: t["model_version"] for n, t in index.state()["tasks"].items()} == {names[0]: v0}
+    # a version 0 registered without --evaluate serves nothing: under reindex, promoting it would empty the index
+    empty = register_version0(f"clipstream-vit-tiny:{tmp_path / 'ckpt.pt'}", settings=settings).version
+    with pytest.raises(ValueError, match=f"version {empty} serves no task \\(a version 0 registered without --evaluate\\)"):
+        promote(settings.model_copy(update={"index_policy": "reindex"}), empty)
+    assert _production(settings) == v0

@@ -5,6 +5,7 @@ import pytest
 from PIL import Image
 
 from clipstream.training.evaluate import (
+    BASELINE,
     KS,
     Embedded,
     GalleryCache,
@@ -277,6 +278,38 @@ def test_result_matrix_dict_round_trip():
     assert r.tasks == m.tasks
     np.testing.assert_array_equal(r.values, m.values)  # NaN positions equal too
     assert ResultMatrix.from_dict(ResultMatrix().to_dict()).tasks == []
+
+
+def test_row_0_is_kept_and_shown_but_the_papers_metrics_stay_over_the_trained_rows(tmp_path):
+    """A stream started from a version 0: its pretrained scores (on a, b and d, a task not reached yet) are row 0
+    ("pretrained"); AA, forgetting and BWT are those of the same trained rows without it, though a's pretrained
+    score (95) is above every trained one: forgetting counts from the best score after a task was learnt."""
+    with pytest.raises(ValueError, match="finite"):
+        ResultMatrix(baseline={"a": float("nan")})
+    m = ResultMatrix(baseline={"a": 95.0, "b": 20.0, "d": 10.0})
+    assert m.tasks == [] and m.columns == ["a", "b", "d"]
+    assert "forgetting" not in m.format_table() and "pretrained" in m.format_table()
+    for task, scores in (("a", {"a": 80.0}), ("b", {"a": 85.0, "b": 70.0}), ("c", {"c": 90.0, "a": 50.0, "b": 75.0})):
+        m.add_row(task, scores)
+        m = ResultMatrix.from_dict(json.loads(json.dumps(m.to_dict(), allow_nan=False)))  # as each version stores it
+    trained = matrix()
+    assert m.tasks == trained.tasks and np.array_equal(m.values, trained.values, equal_nan=True)
+    assert (m.average_accuracy(), m.forgetting(), m.bwt()) == (trained.average_accuracy(), trained.forgetting(), trained.bwt())
+    assert m.to_dict()["baseline"] == {"label": BASELINE, "scores": {"a": 95.0, "b": 20.0, "d": 10.0}}
+    assert "baseline" not in trained.to_dict()
+
+    labels, shown = m.shown()
+    assert labels == [BASELINE, "a", "b", "c"] and m.columns == ["a", "b", "c", "d"]
+    np.testing.assert_array_equal(shown[0], [95.0, 20.0, np.nan, 10.0])
+    np.testing.assert_array_equal(shown[1:, :3], trained.values)
+    assert np.isnan(shown[1:, 3]).all()
+    table = m.format_table().splitlines()
+    assert table[1].split() == [BASELINE, "95.00", "20.00", "10.00"] and table[2].split()[0] == "a"
+    for draw in (m.heatmap, m.curves):
+        with Image.open(draw(tmp_path / f"{draw.__name__}.png")) as im:
+            assert im.size[0] > 200
+    with Image.open(ResultMatrix(baseline={"a": 1.0}).heatmap(tmp_path / "row0.png")) as im:  # row 0 alone
+        assert im.size[1] > 100
 
 
 def test_heatmap_writes_png(tmp_path):
