@@ -101,3 +101,42 @@ def test_every_method_trains_the_same_at_zero_0_2_and_3(ray_cluster, settings, s
     if method == "ctp":  # the momentum model, updated from the live weights every step
         for name, value in runs[0]["state"]["ctp"]["momentum"].items():
             assert torch.allclose(value, runs[3]["state"]["ctp"]["momentum"][name], atol=ATOL_WEIGHT), name
+
+
+def _bf16_ctp_steps(rank: int, world: int) -> dict:
+    """A few of the engine's steps of CTP in bf16 at ZeRO-3 on CPU (gloo), and the dtypes it kept."""
+    import os
+
+    import deepspeed
+
+    from clipstream.training import methods
+    from clipstream.training.engine import deepspeed_config, param_groups, train_step
+    from clipstream.training.methods.base import TaskContext
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.manual_seed(0)
+    config = methods.resolve("ctp", ["train.precision=bf16", "train.zero_stage=3", "train.micro_batch=4",
+                                     "train.warmup_steps=1", "method.ctp.queue_size=16"])
+    method = methods.build(config)
+    model = method.prepare_model(prepare_for_deepspeed(models.create("clipstream-vit-tiny").model))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.1, 1e-3),
+                                      config=deepspeed_config(config["train"], world, 4))
+    ctx = TaskContext(model=engine.module, task_index=0, rank=rank, world_size=world, device=engine.device)
+    method.before_task(ctx)
+    g = torch.Generator().manual_seed(1)
+    batch = {"image": torch.randn(4, 3, 32, 32, generator=g), "text": torch.randint(1, 400, (4, 32), generator=g)}
+    losses = [float(train_step(engine, method, ctx, batch)[0].detach()) for _ in range(4)]
+    ctp = method.components[0]
+    return {"losses": losses, "engine": str(next(engine.module.parameters()).dtype),
+            "momentum": str(next(ctp.momentum_model.parameters()).dtype), "queue": str(ctp.queues["image"].rows.dtype)}
+
+
+def test_bf16_trains_on_cpu_at_zero_3_with_fp32_method_state():
+    """DeepSpeed's bf16 on CPU workers, under ZeRO-3, with CTP (momentum model, queues, a teacher-free first task)."""
+    from tests.conftest import on_gloo
+
+    for out in on_gloo(_bf16_ctp_steps, 2).values():
+        assert out["engine"] == "torch.bfloat16"
+        assert out["momentum"] == out["queue"] == "torch.float32"  # an EMA's small steps would vanish in bf16
+        # it trained (CTP's queue moves its contrast every step, so the loss need not fall in so few)
+        assert all(torch.isfinite(torch.tensor(out["losses"]))) and len(set(out["losses"])) == 4
