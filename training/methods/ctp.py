@@ -77,17 +77,22 @@ class CTP(Method):
     def __init__(self, params: dict):
         super().__init__(params)
         self.momentum_model = None
-        self._start = None  # θ(t-1) as `prepare_model` saw it
+        self._start = None  # M's module, made by `prepare_model`
         self.queues: dict[str, Queue] = {}
         self._saved: dict = {}
 
     def prepare_model(self, model):
-        # θ(t-1), the model before training, copied before the engine takes it (ZeRO-3 then holds only partitions),
-        # in fp32 whatever the engine's precision: the small steps of an EMA vanish in bf16
+        # M's module: a copy made before the engine takes the model (ZeRO-3 then holds only partitions), in fp32
+        # whatever the engine's precision (the small steps of an EMA vanish in bf16)
         self._start = frozen(copy.deepcopy(model).float())
         return model
 
     def before_task(self, ctx):
+        """M = θ(t-1): the live weights as the task starts."""
+        live = dict(ctx.model.named_parameters())
+        with torch.no_grad(), gathered(live.values()):
+            for name, p in self._start.named_parameters():
+                p.copy_(live[name])
         self.momentum_model = self._start.to(ctx.device)
         self._saved.pop("momentum", None)
 
