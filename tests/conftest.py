@@ -208,9 +208,10 @@ def _tier_guard(request):
 
 
 def register_version(settings, seed: int, alias: str | None = None, task_dirs=(), aa: float = 50.0,
-                     forgetting: float = 0.0, parent: str = "", model=None) -> str:
+                     forgetting: float = 0.0, parent: str = "", model=None, state: dict | None = None) -> str:
     """Register a version made without training: a real tiny open_clip model (weights from `seed`, or the
-    exported folder `model`) whose lineage is `task_dirs`, with the given run metrics, really registered in MLflow."""
+    exported folder `model`) whose lineage is `task_dirs` and whose method state is `state`, with the given run
+    metrics, really registered in MLflow."""
     import json
 
     import torch
@@ -226,7 +227,7 @@ def register_version(settings, seed: int, alias: str | None = None, task_dirs=()
                 **({"lang": t.meta["lang"]} if t.meta.get("lang") else {})} for t in tasks]
     folder = settings.home / f"export-{seed}" / "checkpoint"
     models.export(models.load_exported(model) if model else models.create("clipstream-vit-tiny"), folder)
-    save_state({}, folder / STATE_FILE)
+    save_state(state or {}, folder / STATE_FILE)
     (folder / MANIFEST).write_text(json.dumps({"lineage": lineage, "matrix": {}}))
     tags = {"task": tasks[-1].name if tasks else f"t{seed}", "task_index": str(max(len(tasks) - 1, 0)),
             "method": "finetune", "parent_version": parent, "data_sha": lineage[-1]["data_sha"] if tasks else "x"}

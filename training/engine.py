@@ -23,7 +23,7 @@ from torch.profiler import record_function
 from clipstream import models
 from clipstream.training import methods
 from clipstream.training.losses import clip_loss
-from clipstream.training.methods.base import TaskContext, forward_features, frozen
+from clipstream.training.methods.base import TaskContext, forward_features, frozen, gathered
 from clipstream.training.methods.state import STATE_FILE as METHOD_STATE_FILE
 from clipstream.training.methods.state import read_state, save_state
 
@@ -65,7 +65,10 @@ def deepspeed_config(train: dict, world_size: int, total_steps: int) -> dict:
                        "warmup_type": "linear", "cos_min_ratio": train["min_lr_ratio"]},
         },
         "gradient_clipping": train["grad_clip"],
-        "zero_optimization": {"stage": train["zero_stage"]},
+        # torch's attention (and open_clip's ResNet attention pool) reads its projections' weights without calling
+        # them, which ZeRO-3's per-module gathering would leave placeholders: each is gathered whole (a "leaf")
+        "zero_optimization": {"stage": train["zero_stage"],
+                              **({"leaf_module": {"classes": ["MultiheadAttention", "AttentionPool2d"]}} if train["zero_stage"] == 3 else {})},
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16"},
         "steps_per_print": 10**9,
@@ -77,6 +80,21 @@ def warmup_steps(train: dict, total_steps: int) -> int:
     warm-up as epochs or a fraction, which depends on the task's size), at least 1 and short of the last step."""
     wanted = max(train["warmup_steps"], round(train.get("warmup_ratio", 0.0) * total_steps))
     return max(1, min(wanted, total_steps - 1))
+
+
+def check_precision(precision: str, gpus_per_worker: float) -> None:
+    """Refuse, in one line and before the job starts, a precision that the workers' device cannot train in: what
+    DeepSpeed's accelerator of that device supports (its CPU one has no fp16). A GPU seen only by the workers, not by
+    the driver, is left to DeepSpeed's own check there."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    if not gpus_per_worker:
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        if dtype not in CPU_Accelerator().supported_dtypes():
+            raise ValueError(f"train.precision={precision}: DeepSpeed cannot train in it on CPU workers (no GPU per "
+                             "worker); use bf16 or fp32, or give the workers GPUs")
+    elif torch.cuda.is_available() and precision == "bf16" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"train.precision=bf16: {torch.cuda.get_device_name()} has no bf16; use fp16 or fp32")
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None = None, lr_scale=None) -> list[dict]:
@@ -186,6 +204,7 @@ def train_loop(config: dict) -> None:
         _maybe_fail(config.get("fail_once"), epoch, rank)  # dies with the epoch trained but not checkpointed
         if last:
             method.after_task(task_ctx, list(kept))
+            engine.empty_partition_cache()  # ZeRO-3: what a forward outside `engine.backward` left gathered (EWC's)
         _report_epoch(engine, method, bundle, epoch, task_ctx.step, rank,
                       {"epoch": epoch, "step": task_ctx.step, "loss": float(loss.detach()), "start_epoch": start_epoch,
                        "samples_per_s": rate, "step_ms": 1000 * busy / max(steps, 1),
@@ -200,11 +219,12 @@ def _report_epoch(engine, method, bundle, epoch: int, step: int, rank: int, metr
 
     with tempfile.TemporaryDirectory() as folder:
         engine.save_checkpoint(folder, tag=CKPT_TAG)
-        if rank == 0:
-            (Path(folder) / STATE_FILE).write_text(json.dumps({"epoch": epoch, "step": step}))
-            save_state(method.state_dict(), Path(folder) / METHOD_STATE_FILE)
-            bundle.model = method.export_model(engine.module)
-            models.export(bundle, Path(folder) / EXPORT_DIR)
+        with gathered(engine.module.parameters()):  # the export holds whole weights, in the engine's dtype
+            if rank == 0:
+                (Path(folder) / STATE_FILE).write_text(json.dumps({"epoch": epoch, "step": step}))
+                save_state(method.state_dict(), Path(folder) / METHOD_STATE_FILE)
+                bundle.model = method.export_model(engine.module)
+                models.export(bundle, Path(folder) / EXPORT_DIR)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
 

@@ -50,7 +50,7 @@ from clipstream.settings import Settings
 from clipstream.training import diagnostics, evaluate, launch, methods, resume
 from clipstream.training.data.reader import training_dataset
 from clipstream.training.data.task import DataError, Task
-from clipstream.training.engine import EXPORT_DIR, METHOD_STATE_FILE
+from clipstream.training.engine import EXPORT_DIR, METHOD_STATE_FILE, check_precision
 from clipstream.training.methods.config import flatten
 from clipstream.training.methods.state import load_state, save_state
 from clipstream.training.progress import Progress
@@ -155,8 +155,9 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
     settings = (settings or Settings()).ensure_dirs()
     models.placement(settings.embed_precision)  # the evaluation's, refused here if this process cannot run it
     registry = Registry(settings)
-    plan = prepare(registry, task_dir, method, parent, workers, overrides, wait_parent_s, zero_shot, retrain)
-    plan.gpus_per_worker, plan.aliases = gpus_per_worker, tuple(aliases)
+    plan = prepare(registry, task_dir, method, parent, workers, overrides, wait_parent_s, zero_shot, retrain,
+                   gpus_per_worker=gpus_per_worker)
+    plan.aliases = tuple(aliases)
     storage = settings.runs_dir / plan.ray_name
     try:
         interrupted = resume.end_interrupted_runs(registry, plan.run_key, plan.task.name)
@@ -191,13 +192,16 @@ def check_aliases(aliases: Iterable[str]) -> None:
 
 def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optional[str], workers: int,
             overrides: Iterable[str] = (), wait_parent_s: float = 0.0, zero_shot: Iterable[str | Path] = (),
-            retrain: bool = False) -> Plan:
-    """Resolve the preset and the parent, and check all training data; a bad input fails here, before
+            retrain: bool = False, *, gpus_per_worker: Optional[float] = None) -> Plan:
+    """Resolve the preset and the parent, and check all training data and the precision on the workers' device
+    (`gpus_per_worker`, None: one GPU each when the driver sees CUDA); a bad input fails here, before
     Ray starts or a run is opened. A task that already registered a version from the same parent with the same
     method on the same data is refused (`AlreadyRegistered`) unless `retrain`."""
     config = methods.resolve(method, overrides)
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    gpus = gpus_per_worker if gpus_per_worker is not None else float(torch.cuda.is_available())
+    check_precision(config["train"]["precision"], gpus)
     task = Task.load(task_dir)
     parent_v = registry.resolve(parent, wait_s=wait_parent_s) if parent else None
     if parent_v and task.name in [e["task"] for e in parent_v.lineage]:
@@ -213,7 +217,7 @@ def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optio
     resume.refuse_registered(registry, tags, generation)
     held_out = zero_shot_entries(zero_shot, parent_v, [*(parent_v.lineage if parent_v else []), current])
     plan = Plan(config, stack, task, parent_v, current, [], 0, [], workers,
-                Path(tempfile.mkdtemp(prefix="clipstream-job-")), zero_shot=held_out)
+                Path(tempfile.mkdtemp(prefix="clipstream-job-")), gpus_per_worker=gpus_per_worker, zero_shot=held_out)
     try:
         _check_data(plan)
         _prepare_model(registry, plan)

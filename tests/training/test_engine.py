@@ -4,6 +4,7 @@ import pytest
 
 from clipstream import models
 from clipstream.training.engine import (
+    check_precision,
     deepspeed_config,
     param_groups,
     prepare_for_deepspeed,
@@ -64,3 +65,10 @@ def test_prepare_for_deepspeed_reshapes_logit_scale_and_keeps_training_maths():
     assert model.logit_scale.shape == (1,) and model.logit_scale.requires_grad
     assert float(model.logit_scale.exp()) == pytest.approx(before)
     assert "logit_scale" in dict(model.named_parameters())  # still trained
+
+
+def test_a_precision_the_workers_device_cannot_train_in_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^train.precision=fp16: DeepSpeed cannot train in it on CPU workers"):
+        check_precision("fp16", 0)
+    check_precision("bf16", 0)  # DeepSpeed's CPU accelerator has bf16 (test_zero trains in it)
+    check_precision("fp32", 0)

@@ -80,5 +80,7 @@ def test_prepare_refuses_bad_input_before_a_run_or_ray_and_leaves_nothing(settin
         prepare(registry, stream[1], "finetune", v1, workers=2, overrides=["train.micro_batch=4096"])
     with pytest.raises(ValueError, match="workers must be >= 1"):
         prepare(registry, stream[1], "finetune", None, workers=0)
+    with pytest.raises(ValueError, match="train.precision=fp16: DeepSpeed cannot train in it on CPU workers"):
+        prepare(registry, stream[1], "finetune", v1, workers=2, overrides=["train.precision=fp16"], gpus_per_worker=0)
     assert not list(scratch.glob("clipstream-job-*"))  # a refused job leaves no scratch dir behind
     assert mlflow.active_run() is None and [v.version for v in registry.versions()] == [v1]

@@ -4,11 +4,14 @@ pieces several methods share: the features of one forward pass and the frozen pr
 
 from __future__ import annotations
 
+import contextlib
 import math
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import deepspeed
 import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
@@ -27,14 +30,40 @@ class Features:
 
 
 def forward_features(model: torch.nn.Module, image: torch.Tensor, text: torch.Tensor) -> Features:
-    """open_clip's forward without its built-in normalisation, so the raw features stay visible. Under
-    ZeRO 0-2 the parameters are whole on every rank, so calling the towers directly is what the engine's
-    forward would do."""
-    image_raw, text_raw = model.encode_image(image), model.encode_text(text)
+    """open_clip's forward without its built-in normalisation, so the raw features stay visible; features in fp32
+    whatever the model's dtype (the losses, queues and importances are fp32).
+
+    It runs as one call of the model itself (its `forward` swapped for the towers' for the duration), because ZeRO-3
+    gathers a module's parameters in hooks around its calls: the CLIP's own positional embedding, text projection
+    and logit scale are read outside any submodule, so only a call of the model gathers them, for the forward and,
+    through the tensors of the tuple it returns, again for the backward. Under ZeRO 0-2 it is the same maths."""
+    model.forward = types.MethodType(_towers, model)
+    try:
+        image_raw, text_raw, scale = model(image.to(next(model.parameters()).dtype), text)
+    finally:
+        del model.forward
+    image_raw, text_raw = image_raw.float(), text_raw.float()
+    return Features(F.normalize(image_raw, dim=-1), F.normalize(text_raw, dim=-1), image_raw, text_raw, scale.float())
+
+
+def _towers(model: torch.nn.Module, image: torch.Tensor, text: torch.Tensor) -> tuple:
     # exp(logit_scale) kept in [1, 100] (open_clip: ln s in [0, ln 100]) here rather than by clamping the
-    # parameter after each step as open_clip does: under ZeRO 1-2 the fp32 master copy would undo that
-    return Features(F.normalize(image_raw, dim=-1), F.normalize(text_raw, dim=-1), image_raw, text_raw,
-                    model.logit_scale.exp().clamp(1, 100))
+    # parameter after each step as open_clip does: under ZeRO 1-3 the fp32 master copy would undo that
+    return model.encode_image(image), model.encode_text(text), model.logit_scale.exp().clamp(1, 100)
+
+
+@contextlib.contextmanager
+def gathered(params, write: bool = False):
+    """`params` whole for the duration where ZeRO-3 partitions them (a collective: every rank enters), as they are
+    otherwise. `write`: what rank 0 leaves in them is partitioned back to every rank."""
+    params = list(params)
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0 if write else None):
+        yield params
+
+
+def partitioned(model: torch.nn.Module) -> bool:
+    """Whether ZeRO-3 holds `model`'s parameters as partitions (outside a gather each is an empty placeholder)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
 @dataclass

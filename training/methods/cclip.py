@@ -46,7 +46,8 @@ class CClip(Method):
         with torch.no_grad(), lora.disabled(model):  # θ(t-1) exactly: the base weights, adapters off
             old = forward_features(model, batch["image"], batch["text"])
         projector = getattr(model, PROJECTOR)
-        new = [projector(feats.image), projector(feats.text)]
+        dtype = projector.weight.dtype  # the engine's; the features are fp32
+        new = [projector(f.to(dtype)).float() for f in (feats.image, feats.text)]
         return {"ckc": self.params["ckc_weight"] * ckc_loss(new, [old.image, old.text], feats.logit_scale)}
 
     def export_model(self, model: torch.nn.Module) -> torch.nn.Module:

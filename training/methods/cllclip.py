@@ -17,9 +17,9 @@ state for every later task.
 TEIR's regularisation (`teir_scale`): each row's gradient is scaled by λ before the optimizer sees it (λ = 1/freq
 for tokens present in this task's captions, 0 for the others and the special tokens) and its decoupled weight
 decay by the same λ, so rows of absent languages stay bit-identical. Without it λ ≡ 1: every row decays, as
-stock AdamW would. The decay is applied to the fp32 weights after each step, which DeepSpeed's ZeRO 1/2 and
+stock AdamW would. The decay is applied to the fp32 weights after each step, which DeepSpeed's ZeRO 1-3 and
 mixed precision would overwrite from their own master copy: the method runs on ZeRO 0 in fp32 only (the table
-is small) and says so before anything starts.
+is small) and `methods.resolve` refuses anything else in one line (schema.TRAIN_REQUIRES).
 """
 
 from __future__ import annotations
@@ -56,11 +56,7 @@ class CllClip(Method):
     # -- the driver: grow the vocabulary and the table before the job ------------------------------------
     def prepare_version(self, source: Optional[str], parent: Optional[str], config: dict, current: dict,
                         history: list[dict], workdir: Path) -> Optional[Path]:
-        train = config["train"]
-        if train["zero_stage"] != 0 or train["precision"] != "fp32":
-            raise ValueError(f"{config.get('preset', self.name)} scales rows of the fp32 token-embedding table after each step, which "
-                             f"ZeRO 1/2 and mixed precision overwrite: use --set train.zero_stage=0 "
-                             f"train.precision=fp32 (got zero_stage={train['zero_stage']}, precision={train['precision']})")
+        train = config["train"]  # (ZeRO 0 in fp32: `methods.resolve` refuses the rest, schema.TRAIN_REQUIRES)
         if source is None:
             raise ValueError(f"{config.get('preset', self.name)} teaches a trained CLIP new languages: start it from a registered version "
                              "(--parent) or a pretrained model (model.pretrained), not from random weights")

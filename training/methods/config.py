@@ -128,6 +128,9 @@ def resolve(name: str, overrides: Iterable[str] = (), presets: Optional[dict] = 
     if problems:
         lines = [_explain(p, config, applied, chain, presets) for p in problems]
         raise ValueError("; ".join(lines).replace("\n", " "))
+    refused = schema.refusals(valid)
+    if refused:
+        raise ValueError(f"{_label(name, presets)}: {'; '.join(refused)}")
     return valid
 
 

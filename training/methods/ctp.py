@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from clipstream.training.losses import fill_positives, gather, positive_columns, row_kl
-from clipstream.training.methods.base import Method, forward_features, frozen
+from clipstream.training.methods.base import Method, forward_features, frozen, gathered
 
 
 class Queue:
@@ -77,11 +77,23 @@ class CTP(Method):
     def __init__(self, params: dict):
         super().__init__(params)
         self.momentum_model = None
+        self._start = None  # M's module, made by `prepare_model`
         self.queues: dict[str, Queue] = {}
         self._saved: dict = {}
 
+    def prepare_model(self, model):
+        # M's module: a copy made before the engine takes the model (ZeRO-3 then holds only partitions), in fp32
+        # whatever the engine's precision (the small steps of an EMA vanish in bf16)
+        self._start = frozen(copy.deepcopy(model).float())
+        return model
+
     def before_task(self, ctx):
-        self.momentum_model = frozen(copy.deepcopy(ctx.model))  # θ(t-1): the live model before training
+        """M = θ(t-1): the live weights as the task starts."""
+        live = dict(ctx.model.named_parameters())
+        with torch.no_grad(), gathered(live.values()):
+            for name, p in self._start.named_parameters():
+                p.copy_(live[name])
+        self.momentum_model = self._start.to(ctx.device)
         self._saved.pop("momentum", None)
 
     def update_momentum(self, ctx) -> None:
@@ -91,18 +103,18 @@ class CTP(Method):
         mine = [p for _, p in self.momentum_model.named_parameters()]
         live = dict(ctx.model.named_parameters())
         m = self.params["momentum"] if ctx.teacher is not None else self.params["first_task_momentum"]
-        with torch.no_grad():
+        with torch.no_grad(), gathered(live.values()):
             torch._foreach_mul_(mine, m)
             if ctx.teacher is None:
-                torch._foreach_add_(mine, [live[n] for n in names], alpha=1 - m)
+                torch._foreach_add_(mine, [live[n].float() for n in names], alpha=1 - m)
             else:
                 old = dict(ctx.teacher.named_parameters())
-                torch._foreach_add_(mine, [live[n] for n in names], alpha=(1 - m) / 2)
-                torch._foreach_add_(mine, [old[n] for n in names], alpha=(1 - m) / 2)
+                torch._foreach_add_(mine, [live[n].float() for n in names], alpha=(1 - m) / 2)
+                torch._foreach_add_(mine, [old[n].float() for n in names], alpha=(1 - m) / 2)
 
     def loss_terms(self, ctx, batch, feats):
         if self.momentum_model is None:  # resumed mid-task: M comes back from the checkpointed state
-            self.momentum_model = frozen(copy.deepcopy(ctx.model))
+            self.momentum_model = self._start.to(ctx.device)
             self.momentum_model.load_state_dict(self._saved.pop("momentum"))
         with record_function("momentum update"):
             self.update_momentum(ctx)  # every step, before M's forward

@@ -15,6 +15,7 @@ from clipstream.training.methods.base import (
     Method,
     TaskContext,
     forward_features,
+    gathered,
     trainable,
 )
 
@@ -63,8 +64,11 @@ class Importance(Method):
         if self._flat is None:
             self._flat = self._pulled(trainable(ctx.model), dict(ctx.teacher.named_parameters()), ctx.device)
         live, rows, scale, anchor = self._flat
-        params = [p if r is None else p.index_select(0, r) for p, r in zip(live, rows)]
-        return {"penalty": QuadraticPull.apply(scale, anchor, *params)}
+        # under ZeRO-3 the live weights are whole only while gathered; the pull keeps θ − θ*, not them, for its
+        # backward, whose gradients then reach each parameter as its forward's do
+        with gathered(live):
+            params = [p if r is None else p.index_select(0, r) for p, r in zip(live, rows)]
+            return {"penalty": QuadraticPull.apply(scale, anchor, *params)}
 
     def _pulled(self, live: dict, anchor: dict, device) -> tuple:
         """Per parameter the pull needs: the live tensor, the rows it reaches (None: all), √(weight·Ω) and θ* there.
@@ -88,7 +92,7 @@ class Importance(Method):
 
     def after_task(self, ctx: TaskContext, batches: list[dict]) -> None:
         params = trainable(ctx.model)
-        new = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items()}
+        new = {n: torch.zeros(tuple(getattr(p, "ds_shape", p.shape)), device=ctx.device) for n, p in params.items()}
         for batch in batches:
             feats = forward_features(ctx.model, batch["image"], batch["text"])
             grads = torch.autograd.grad(self.objective(feats), list(params.values()), allow_unused=True)

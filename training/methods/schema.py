@@ -43,7 +43,7 @@ class TrainSection(Section):
     min_lr_ratio: float = Field(ge=0, le=1, description="cosine floor, as a fraction of lr: warmup + cosine restart "
                                 "every task")
     grad_clip: float = Field(ge=0, description="max gradient norm, 0 = off: open_clip's default")
-    zero_stage: int = Field(ge=0, le=3, description="DeepSpeed ZeRO stage: 0-2 on CPU with gloo, 2/3 on GPUs")
+    zero_stage: int = Field(ge=0, le=3, description="DeepSpeed ZeRO stage, 0-3 on CPU (gloo) and GPUs")
     precision: Literal["fp32", "bf16", "fp16"] = Field(description="fp32, or DeepSpeed's bf16/fp16 mixed precision")
     log_every: int = Field(ge=1, description="steps between metric reports")
     shuffle_buffer: int = Field(ge=0, description="rows in each worker's local shuffle buffer")
@@ -127,6 +127,29 @@ METHOD_PARAMS: dict[str, type[Section]] = {
     "joint": JointParams, "ewc": ImportanceParams, "mas": ImportanceParams, "lwf": LwFParams, "er": ERParams,
     "modx": ModXParams, "ctp": CTPParams, "cclip": CClipParams, "cllclip": CllClipParams,
 }
+
+
+# what a method cannot run under, and why: {method: ({train key: the one value it runs with}, why)}
+TRAIN_REQUIRES: dict[str, tuple[dict[str, Any], str]] = {
+    "cllclip": ({"zero_stage": 0, "precision": "fp32"},
+                "it scales rows of the fp32 token-embedding table after each step, which ZeRO 1-3 (partitioned "
+                "weights and optimizer copies) and mixed precision (an fp32 master copy) overwrite"),
+}
+
+
+def refusals(config: dict) -> list[str]:
+    """One line per method of a valid config that refuses its `train` settings, naming the method and why."""
+    out = []
+    for name in config.get("method") or {}:
+        required, why = TRAIN_REQUIRES.get(name, ({}, ""))
+        wrong = {k: config["train"][k] for k, v in required.items() if config["train"][k] != v}
+        if wrong:
+            out.append(f"method {name} runs with {_settings(required)} only (got {_settings(wrong)}): {why}")
+    return out
+
+
+def _settings(values: dict) -> str:
+    return " ".join(f"train.{k}={v}" for k, v in values.items())
 
 
 class _Methods(Section):

@@ -306,8 +306,8 @@ def test_the_schema_matches_the_methods_and_the_base_preset():
     ("finetune", "train.epochs=-1", "--set train.epochs=-1: expected an integer >= 1 (passes over the task's data)"),
     ("finetune", "train.epochs=2.5", "--set train.epochs=2.5: expected an integer >= 1 (passes over the task's data)"),
     ("finetune", "train.epochs=true", "--set train.epochs=true: expected an integer >= 1"),
-    ("finetune", "train.zero_stage=7", "--set train.zero_stage=7: expected an integer in [0, 3] (DeepSpeed ZeRO stage: "
-                                       "0-2 on CPU with gloo, 2/3 on GPUs)"),
+    ("finetune", "train.zero_stage=7", "--set train.zero_stage=7: expected an integer in [0, 3] (DeepSpeed ZeRO stage, "
+                                       "0-3 on CPU (gloo) and GPUs)"),
     ("finetune", "train.precision=fp8", "--set train.precision=fp8: expected one of fp32, bf16, fp16 (fp32, or "
                                         "DeepSpeed's bf16/fp16 mixed precision)"),
     ("finetune", "train.betas=[0.9]", "--set train.betas=[0.9]: expected a list of 2 numbers, each in [0, 1) "
@@ -407,3 +407,14 @@ def test_a_missing_param_names_the_preset_that_wrote_the_method():
         resolve("yours", presets=presets)
     assert str(info.value) == ("preset 'mine': method.ewc.weight: missing, expected a number >= 0 (penalty = weight · "
                                "Σ Ω (θ − θ*)², the pull toward the previous task's weights)")
+
+
+@pytest.mark.parametrize("preset, override, got", [("teir", "train.zero_stage=3", "train.zero_stage=3"),
+                                                   ("cllclip", "train.precision=bf16", "train.precision=bf16")])
+def test_a_method_refuses_what_it_cannot_train_under_in_one_line_naming_it_and_why(preset, override, got):
+    with pytest.raises(ValueError) as refused:
+        resolve(preset, [override])
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith(f"preset {preset!r}: method cllclip runs with train.zero_stage=0 "
+                                                f"train.precision=fp32 only (got {got}): it scales rows of the fp32")
+    assert resolve(preset, ["train.zero_stage=0"])["train"]["zero_stage"] == 0

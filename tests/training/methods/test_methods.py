@@ -58,6 +58,7 @@ def test_with_zero_weights_the_loss_is_the_clip_loss_and_not_otherwise(pair, nam
         model = copy.deepcopy(student)
         stack = build(resolve(name, overrides))
         ctx = _ctx(model, teacher)
+        stack.prepare_model(model)  # (as the engine does: CTP copies its momentum model's module there)
         stack.before_task(ctx)
         feats = forward_features(model, batch["image"], batch["text"])
         if name in ("ewc", "mas"):  # importances as after a first task, so the penalty has something to weigh
@@ -138,6 +139,7 @@ def test_compatible_momentum_model_is_the_midpoint_of_the_old_model_and_an_ema()
     m, ema = 0.9, {k: v.clone() for k, v in old.state_dict().items()}
     ctp = CTP({"momentum": m, "first_task_momentum": 0.995})
     ctx = _ctx(live, old)
+    ctp.prepare_model(live)
     ctp.before_task(ctx)  # M starts as θ(t-1)
     assert all(not p.requires_grad for p in ctp.momentum_model.parameters())
     for step in range(5):
@@ -151,11 +153,13 @@ def test_compatible_momentum_model_is_the_midpoint_of_the_old_model_and_an_ema()
         assert torch.allclose(v, (old.state_dict()[k] + ema[k]) / 2, atol=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(old.parameters(), frozen(copy.deepcopy(old)).parameters()))
     midpoint = CTP({"momentum": 0.0, "first_task_momentum": 0.995})
+    midpoint.prepare_model(live)
     midpoint.before_task(ctx)
     midpoint.update_momentum(ctx)
     for k, v in midpoint.momentum_model.state_dict().items():
         assert torch.allclose(v, (old.state_dict()[k] + live.state_dict()[k]) / 2, atol=1e-6)
     first = CTP({"momentum": 0.9, "first_task_momentum": 0.5})  # no θ(t-1): a plain EMA of the live model
+    first.prepare_model(live)
     first.before_task(_ctx(live, None, 0))
     start = copy.deepcopy(first.momentum_model.state_dict())
     with torch.no_grad():
@@ -171,6 +175,7 @@ def test_each_step_through_the_engines_hooks_moves_the_momentum_model(pair):
     m = 0.9
     ctp = build(resolve("ctp", [f"method.ctp.momentum={m}"])).components[0]
     ctx = _ctx(live, teacher)
+    ctp.prepare_model(live)
     ctp.before_task(ctx)
     ema = {k: v.detach().clone() for k, v in teacher.named_parameters()}
     for step in range(3):
