@@ -85,7 +85,11 @@ def resolve(name: str, overrides: Iterable[str] = (), presets: Optional[dict] = 
         """Ancestors first, each once (a shared grandparent such as `base` does not come back after a
         parent that overrides it), then `key`."""
         if key not in presets:
-            raise ValueError(f"unknown method preset {key!r}; known: {', '.join(sorted(presets))}")
+            scaled = tuple(f"-{scale}" for scale in SCALES)
+            known = sorted(name for name in presets if not name.endswith(scaled))
+            close = difflib.get_close_matches(key, list(presets), n=1)
+            raise ValueError(f"unknown method preset {key!r}; known: {', '.join(known)}, each also as NAME-"
+                             f"{' / NAME-'.join(SCALES)}" + (f" (did you mean {close[0]}?)" if close else ""))
         if key in stack:
             raise ValueError(f"preset inheritance cycle: {' -> '.join(stack + (key,))}")
         parents = presets[key].get("inherit_from") or []

@@ -162,6 +162,10 @@ def test_unknown_preset_lists_known():
     with pytest.raises(ValueError, match="'nope'") as info:
         resolve("nope")
     assert "finetune" in str(info.value) and "joint" in str(info.value)
+    # the scaled presets are named once, as a rule, not 24 more names in the line
+    assert "ctp-vit-b-16" not in str(info.value) and "each also as NAME-vit-b-16 / NAME-vit-b-32" in str(info.value)
+    with pytest.raises(ValueError, match=r"did you mean ctp-vit-b-16\?"):
+        resolve("ctp-vit-b16")
     with pytest.raises(ValueError, match="'nowhere'") as info:
         resolve("orphan", presets=CUSTOM)
     assert "ctp_er" in str(info.value)
