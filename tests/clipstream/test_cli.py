@@ -61,7 +61,7 @@ def test_data_synth_bad_language_count_exits_2_with_one_line(tmp_path, capsys):
     (["train", "--task", "{task}", "--parent", "7"], "7: no such model version"),
     (["train", "--task", "{task}", "--method", "teir"], "teir teaches a trained CLIP new languages: start it from"),
     (["train", "--task", "{task}", "--method", "teir", "--set", "train.zero_stage=2"],
-     "use --set train.zero_stage=0 train.precision=fp32 (got zero_stage=2, precision=fp32)"),
+     "method cllclip runs with train.zero_stage=0 train.precision=fp32 only (got train.zero_stage=2)"),
     (["eval", "--version", "candidate"], "candidate: no such model version"),
     (["data", "synth", "--out", "{task}", "--tasks", "1"], "{task}"),
 ])
@@ -390,3 +390,16 @@ def test_train_asking_gpus_a_cpu_machine_lacks_exits_1_in_one_line_and_registers
     from clipstream.settings import Settings
 
     assert Registry(Settings(home=tmp_path / "home")).versions() == []
+
+
+def test_help_loads_neither_deepspeed_nor_ray_and_prints_nothing_of_theirs():
+    """The parser reads the presets (training/methods), which must not pull DeepSpeed in: it logs its accelerator
+    choice as a WARNING on import, which every quiet command then printed before its own lines."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from clipstream.cli.parser import parser; parser().format_help(); "
+            "print(sorted(m for m in ('deepspeed', 'ray', 'mlflow') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+    assert "WARNING" not in done.stderr

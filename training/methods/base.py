@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import deepspeed
 import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
@@ -57,6 +56,13 @@ def gathered(params, write: bool = False):
     """`params` whole for the duration where ZeRO-3 partitions them (a collective: every rank enters), as they are
     otherwise. `write`: what rank 0 leaves in them is partitioned back to every rank."""
     params = list(params)
+    if not any(hasattr(p, "ds_id") for p in params):  # nothing partitioned, nothing to gather
+        yield params
+        return
+    # imported here: DeepSpeed logs its accelerator choice on import, which would reach every command that only
+    # reads presets (the CLI's parser, `--help`)
+    import deepspeed
+
     with deepspeed.zero.GatheredParameters(params, modifier_rank=0 if write else None):
         yield params
 
