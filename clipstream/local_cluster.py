@@ -49,9 +49,11 @@ SMALL_NODES = ["train.data_cpus=0.25"]
 
 
 def small_node_values() -> dict:
-    """Chart values for nodes of one CPU: an Encoder replica (half of one) and Search (a quarter) fit on one; the
-    gRPC port a free one (Service R-grpc's in Kubernetes, every proxy's here)."""
-    return {"settings": {"grpc_port": free_port(), "serve_encoder_cpus": 0.5, "serve_search_cpus": 0.25}}
+    """Chart values for nodes of one CPU and no GPU: an Encoder replica (half of one CPU, no GPU: the chart's default
+    asks one) and Search (a quarter) fit on one; the gRPC port a free one (Service R-grpc's in Kubernetes, every
+    proxy's here)."""
+    return {"settings": {"grpc_port": free_port(), "serve_encoder_cpus": 0.5, "serve_encoder_gpus": 0,
+                         "serve_search_cpus": 0.25}}
 
 
 @dataclass
