@@ -2,9 +2,10 @@
 
 Built-in kinds validate against the Kubernetes OpenAPI schemas of the kubectl we ship with
 (`kubernetes-validate`, strict: unknown fields are errors); RayJob, RayService and RayCluster against the
-KubeRay v1.7.0 CRD schemas in schemas/, made strict the same way (every object schema that lists
-its properties rejects others, unless the CRD itself preserves unknown fields). Usable from the tests and
-by hand:
+KubeRay v1.7.0 CRD schemas in schemas/ (and the chart's optional GRPCRoute, PodMonitor and ServiceMonitor
+against the Gateway API and Prometheus operator CRDs there), made strict the same way (every object schema
+that lists its properties rejects others, unless the CRD itself preserves unknown fields). Usable from the
+tests and by hand:
 
     helm template charts/clipstream | python tests/k8s/k8s_checks.py -
 """
@@ -27,8 +28,13 @@ from clipstream.local_cluster import tool  # the real binary, the venv's first (
 REPO = Path(__file__).resolve().parents[2]
 KUBERNETES = "1.35.0"  # the API version of the kubectl that `make setup` installs
 KUBERAY = "kuberay-v1.7.0"
-CRDS = {"RayJob": "ray.io_rayjobs.yaml", "RayService": "ray.io_rayservices.yaml",
-        "RayCluster": "ray.io_rayclusters.yaml"}
+GATEWAY_API = "gateway-api-v1.6.1"
+PROMETHEUS_OPERATOR = "prometheus-operator-v0.93.0"
+CRDS = {"RayJob": (KUBERAY, "ray.io_rayjobs.yaml"), "RayService": (KUBERAY, "ray.io_rayservices.yaml"),
+        "RayCluster": (KUBERAY, "ray.io_rayclusters.yaml"),
+        "GRPCRoute": (GATEWAY_API, "gateway.networking.k8s.io_grpcroutes.yaml"),
+        "PodMonitor": (PROMETHEUS_OPERATOR, "monitoring.coreos.com_podmonitors.yaml"),
+        "ServiceMonitor": (PROMETHEUS_OPERATOR, "monitoring.coreos.com_servicemonitors.yaml")}
 
 
 def schemas_dir() -> Path:
@@ -65,9 +71,14 @@ def _strict(schema):
 
 
 @functools.cache
+def crd(kind: str) -> dict:
+    folder, name = CRDS[kind]
+    return yaml.safe_load((schemas_dir() / folder / name).read_text())
+
+
+@functools.cache
 def crd_validator(kind: str, version: str = "v1") -> jsonschema.protocols.Validator:
-    crd = yaml.safe_load((schemas_dir() / KUBERAY / CRDS[kind]).read_text())
-    (entry,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    (entry,) = [v for v in crd(kind)["spec"]["versions"] if v["name"] == version]
     schema = _strict(copy.deepcopy(entry["schema"]["openAPIV3Schema"]))
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
     return cls(schema)
@@ -78,7 +89,8 @@ def validate(obj: dict) -> None:
     kind, name = obj.get("kind"), obj.get("metadata", {}).get("name")
     if kind in CRDS:
         group, _, version = obj["apiVersion"].partition("/")
-        assert group == "ray.io", f"{kind}/{name}: apiVersion {obj['apiVersion']} is not ray.io"
+        want = crd(kind)["spec"]["group"]
+        assert group == want, f"{kind}/{name}: apiVersion {obj['apiVersion']} is not {want}"
         errors = sorted(crd_validator(kind, version).iter_errors(obj), key=lambda e: list(e.path))
         assert not errors, f"{kind}/{name}: " + "; ".join(
             f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors)

@@ -36,7 +36,9 @@ def project_version() -> str:
 VERSION = project_version()
 # The Secrets the chart documents (values.yaml, k8s/README.md): name -> keys.
 SECRETS = {f"{RELEASE}-qdrant": {"api-key"}, f"{RELEASE}-api": {"api-key"}, f"{RELEASE}-postgres": {"password"},
+           f"{RELEASE}-ray-auth": {"auth_token"},
            f"{RELEASE}-object-store": {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}}
+RUNS_MOUNT = "/mnt/clipstream/runs"
 HOOK = "helm.sh/hook"
 
 
@@ -86,7 +88,11 @@ def pod_templates(docs: list[dict]) -> list[tuple[str, dict, dict]]:
         elif d["kind"] == "Pod":
             out.append((where, d["metadata"], d["spec"]))
         elif d["kind"] in ("RayService", "RayCluster", "RayJob"):
-            rc = d["spec"]["rayClusterConfig"] if d["kind"] != "RayCluster" else d["spec"]
+            rc = {"RayService": lambda s: s["rayClusterConfig"], "RayJob": lambda s: s["rayClusterSpec"],
+                  "RayCluster": lambda s: s}[d["kind"]](d["spec"])
+            if "submitterPodTemplate" in d["spec"]:
+                t = d["spec"]["submitterPodTemplate"]
+                out.append((f"{where}[submitter]", t.get("metadata", {}), t["spec"]))
             groups = [("head", rc["headGroupSpec"])] + [(g["groupName"], g) for g in rc.get("workerGroupSpecs", [])]
             for name, g in groups:
                 out.append((f"{where}[{name}]", g["template"].get("metadata", {}), g["template"]["spec"]))
@@ -95,6 +101,13 @@ def pod_templates(docs: list[dict]) -> list[tuple[str, dict, dict]]:
 
 def containers(spec: dict) -> list[dict]:
     return spec.get("initContainers", []) + spec["containers"]
+
+
+def ray_container(spec: dict) -> dict:
+    """The Ray container of a Ray pod (KubeRay's: the first); sidecars follow it."""
+    c = spec["containers"][0]
+    assert c["name"] in ("ray-head", "ray-worker"), c["name"]
+    return c
 
 
 def ray_groups(docs: list[dict]) -> tuple[dict, list[dict]]:
@@ -138,33 +151,41 @@ def check_serve_wiring(docs: list[dict]) -> None:
     assert app["import_path"] == "clipstream.services.app:app"
     assert app["name"] == consts["APP"] and app["route_prefix"] == f"/{consts['APP']}"
 
-    svc = one(docs, "Service", f"{RELEASE}-grpc")
+    # R-grpc is KubeRay's serve Service (spec.serveService): KubeRay selects the pods of the one cluster that
+    # serves (ray.io/cluster and ray.io/serve) and switches it at once during an upgrade. A Service of the chart's
+    # own would select the pods of both clusters and reach a head whose application is not running yet.
+    (rs,) = by_kind(docs, "RayService")
+    assert rs["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
+    svc = rs["spec"]["serveService"]
+    assert svc["metadata"]["name"] == f"{RELEASE}-grpc" and "selector" not in svc["spec"]
     (svc_port,) = svc["spec"]["ports"]
-    assert svc_port["name"] == "grpc" and svc_port["appProtocol"] == "kubernetes.io/h2c"
-    assert svc_port["port"] == port and svc_port["targetPort"] == port
-    assert svc["spec"]["selector"] == {"app.kubernetes.io/instance": RELEASE, "app.kubernetes.io/component": "serve",
-                                       "ray.io/serve": "true"}
+    assert svc_port == {"name": "serve-grpc", "port": port, "targetPort": port, "protocol": "TCP",
+                        "appProtocol": "kubernetes.io/h2c"}
+    assert not [s for s in by_kind(docs, "Service") if s["spec"].get("selector", {}).get(
+        "app.kubernetes.io/component") == "serve"], "the serve pods' Service is KubeRay's"
     assert settings_map(docs)["CLIPSTREAM_GRPC_PORT"] == str(port)
 
     head, workers = ray_groups(docs)
-    (head_c,) = head["template"]["spec"]["containers"]
+    head_c = ray_container(head["template"]["spec"])
     assert head_c["name"] == "ray-head"
-    assert {p["name"]: p["containerPort"] for p in head_c["ports"]}["grpc"] == port
+    # KubeRay builds the serve Service's ports from the head container's ports named serve or serve-*
+    head_ports = {p["name"]: p["containerPort"] for p in head_c["ports"]}
+    assert {n: p for n, p in head_ports.items() if n == "serve" or n.startswith("serve-")} == {
+        "serve": 8000, "serve-grpc": port}
     assert "nvidia.com/gpu" not in head_c["resources"].get("limits", {})
     assert [g["groupName"] for g in workers] == ["gpu"]
     for group in workers:
-        (c,) = group["template"]["spec"]["containers"]
-        assert {p["name"]: p["containerPort"] for p in c["ports"]}["grpc"] == port
+        c = ray_container(group["template"]["spec"])
+        assert {p["name"]: p["containerPort"] for p in c["ports"]}["serve-grpc"] == port
         assert c["readinessProbe"]["grpc"]["port"] == port
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
-    # KubeRay adds ray.io/serve to healthy pods; the rest of the selector must already be on them.
-    base_selector = {k: v for k, v in svc["spec"]["selector"].items() if k != "ray.io/serve"}
-    for group in [head, *workers]:
-        assert matches(base_selector, group["template"]["metadata"]["labels"])
     for ingress in by_kind(docs, "Ingress"):
         for rule in ingress["spec"]["rules"]:
             for path in rule["http"]["paths"]:
-                assert path["backend"]["service"] == {"name": f"{RELEASE}-grpc", "port": {"name": "grpc"}}
+                assert path["backend"]["service"] == {"name": f"{RELEASE}-grpc", "port": {"name": "serve-grpc"}}
+    for route in by_kind(docs, "GRPCRoute"):
+        for rule in route["spec"]["rules"]:
+            assert rule["backendRefs"] == [{"name": f"{RELEASE}-grpc", "port": port}]
 
 
 def check_ray_pods(docs: list[dict], gpus: int) -> None:
@@ -181,7 +202,7 @@ def check_ray_pods(docs: list[dict], gpus: int) -> None:
         assert spec["serviceAccountName"] == RELEASE
         assert spec["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 100, "fsGroup": 100,
                                            "seccompProfile": {"type": "RuntimeDefault"}}
-        (c,) = spec["containers"]
+        c = ray_container(spec)
         assert c["envFrom"][0] == {"configMapRef": {"name": f"{RELEASE}-settings"}}
         env = {e["name"]: e for e in c["env"]}
         assert env["CLIPSTREAM_QDRANT_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": f"{RELEASE}-qdrant",
@@ -190,8 +211,10 @@ def check_ray_pods(docs: list[dict], gpus: int) -> None:
         assert {k: env[k]["value"] for k in consts["SERVE_ENV"] if k in env} == consts["SERVE_ENV"]
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
         volumes = {v["name"]: v for v in spec["volumes"]}
-        assert volumes[mounts["/mnt/clipstream/runs"]]["persistentVolumeClaim"]["claimName"] == f"{RELEASE}-runs"
+        # serving loads model versions from MLflow: the training runs storage is not theirs to mount
+        assert RUNS_MOUNT not in mounts and not [v for v in spec["volumes"] if "persistentVolumeClaim" in v]
         assert "emptyDir" in volumes[mounts["/tmp"]] and "emptyDir" in volumes[mounts["/home/ray/.cache"]]
+        check_log_sidecar(spec, volumes, mounts)
         assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
         assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                         "capabilities": {"drop": ["ALL"]}}
@@ -199,7 +222,7 @@ def check_ray_pods(docs: list[dict], gpus: int) -> None:
     asked = float(settings_map(docs)["CLIPSTREAM_SERVE_ENCODER_GPUS"])
     assert math.ceil(asked) == gpus
     for group in workers:
-        (c,) = group["template"]["spec"]["containers"]
+        c = ray_container(group["template"]["spec"])
         limits = c["resources"]["limits"]
         if gpus:
             assert limits["nvidia.com/gpu"] == gpus and group["rayStartParams"]["num-gpus"] == str(gpus)
@@ -208,8 +231,35 @@ def check_ray_pods(docs: list[dict], gpus: int) -> None:
             assert "num-gpus" not in group["rayStartParams"]
     sa = one(docs, "ServiceAccount", RELEASE)
     assert sa["automountServiceAccountToken"] is False
-    runs = one(docs, "PersistentVolumeClaim", f"{RELEASE}-runs")
-    assert runs["spec"]["accessModes"] == ["ReadWriteMany"]
+    # Ray's control plane asks for KubeRay's token (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN from the Secret's
+    # auth_token, the names clipstream's local cluster uses too)
+    (rs,) = by_kind(docs, "RayService")
+    assert rs["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token", "secretName": f"{RELEASE}-ray-auth"}
+
+
+def check_log_sidecar(spec: dict, volumes: dict, mounts: dict) -> None:
+    """Ray's log files (/tmp/ray of the Ray container) reach stdout through the ray-logs sidecar."""
+    ray, *sidecars = spec["containers"]
+    (side,) = sidecars
+    assert side["name"] == "ray-logs"
+    side_mounts = {m["mountPath"]: m for m in side["volumeMounts"]}
+    assert side_mounts["/tmp"]["name"] == mounts["/tmp"] and side_mounts["/tmp"]["readOnly"] is True
+    conf_mount = [m for m in side["volumeMounts"] if m["name"] != mounts["/tmp"]][0]
+    assert f"--config={conf_mount['mountPath']}/fluent-bit.conf" in side["command"]
+    config = volumes[conf_mount["name"]]["configMap"]["name"]
+    assert config == f"{RELEASE}-ray-logs"
+
+
+def check_runs(docs: list[dict]) -> None:
+    """The runs storage is an object store (no PVC) or R-runs / an existing claim, never in serving pods."""
+    runs_dir = settings_map(docs)["CLIPSTREAM_RUNS_DIR"]
+    pvcs = [d for d in by_kind(docs, "PersistentVolumeClaim") if d["metadata"]["name"] == f"{RELEASE}-runs"]
+    if "://" in runs_dir:
+        assert not pvcs
+    else:
+        assert runs_dir == RUNS_MOUNT
+    for pvc in pvcs:
+        assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
 
 
 def referenced(docs: list[dict]) -> dict[str, dict[str, list[tuple[str, str | None, bool]]]]:
@@ -219,6 +269,10 @@ def referenced(docs: list[dict]) -> dict[str, dict[str, list[tuple[str, str | No
     def add(kind, name, where, key=None, optional=False):
         refs[kind].setdefault(name, []).append((where, key, bool(optional)))
 
+    for rs in by_kind(docs, "RayService"):  # KubeRay gives the Ray containers its auth_token
+        auth = rs["spec"]["rayClusterConfig"].get("authOptions", {})
+        if auth.get("secretName"):
+            add("Secret", auth["secretName"], f"RayService/{rs['metadata']['name']}", "auth_token")
     for where, _meta, spec in pod_templates(docs):
         for c in containers(spec):
             for src in c.get("envFrom", []):
@@ -254,7 +308,7 @@ def referenced(docs: list[dict]) -> dict[str, dict[str, list[tuple[str, str | No
 def check_references(docs: list[dict], secrets_rendered: bool) -> None:
     """Everything a pod names exists in the render (Secrets: only where the render creates them)."""
     refs = referenced(docs)
-    assert refs["ConfigMap"] and refs["Secret"] and refs["PersistentVolumeClaim"]
+    assert refs["ConfigMap"] and refs["Secret"]
     for kind in ("ConfigMap", "PersistentVolumeClaim"):
         present = {d["metadata"]["name"]: d for d in by_kind(docs, kind)}
         for name, uses in refs[kind].items():
@@ -295,9 +349,20 @@ def check_security(docs: list[dict]) -> None:
                 assert {"cpu", "memory"} <= set(c.get("resources", {}).get(part, {})), f"{name}: {part}"
 
 
+def training_jobs() -> list[dict]:
+    """The RayJobs `clipstream k8s job` renders for this release (its pods are the train NetworkPolicy's)."""
+    from clipstream import k8s
+
+    return [k8s.job("s3://bucket/tasks/task-00", "finetune", k8s.Release(name=RELEASE), k8s.Resources())]
+
+
+# Labels of the pods that are not in a render: the release's own gRPC clients (the helm test pod, yours).
+CLIENT_LABELS = {"clipstream.io/grpc-client"}
+
+
 def check_selectors(docs: list[dict]) -> None:
-    """NetworkPolicies and Services select pods that the render creates."""
-    labels = [meta.get("labels", {}) for _, meta, _ in pod_templates(docs)]
+    """NetworkPolicies and Services select pods that the render (or `clipstream k8s job`) creates."""
+    labels = [meta.get("labels", {}) for _, meta, _ in pod_templates(docs + training_jobs())]
     policies = by_kind(docs, "NetworkPolicy")
     for np in policies:
         name = np["metadata"]["name"]
@@ -306,13 +371,83 @@ def check_selectors(docs: list[dict]) -> None:
         assert np["spec"]["ingress"], f"NetworkPolicy {name} admits nothing"
         for rule in np["spec"]["ingress"]:
             for peer in rule["from"]:
+                if "namespaceSelector" in peer or "podSelector" not in peer:
+                    continue  # other namespaces' pods (the operator, the ingress controller, Prometheus)
                 peer_sel = peer["podSelector"]["matchLabels"]
+                if CLIENT_LABELS & set(peer_sel):
+                    continue
                 assert any(matches(peer_sel, lab) for lab in labels), f"NetworkPolicy {name}: no pod matches {peer_sel}"
     for svc in by_kind(docs, "Service"):
         sel = {k: v for k, v in svc["spec"].get("selector", {}).items() if k != "ray.io/serve"}
         assert sel and any(matches(sel, lab) for lab in labels), f"Service {svc['metadata']['name']} selects no pod"
     for sts in by_kind(docs, "StatefulSet") + by_kind(docs, "Deployment"):
         assert matches(sts["spec"]["selector"]["matchLabels"], sts["spec"]["template"]["metadata"]["labels"])
+
+
+OWN_NAMESPACE = {"kubernetes.io/metadata.name": NAMESPACE}
+
+
+def admitted(docs: list[dict], source: dict, target: dict, port: int, source_namespace: dict = OWN_NAMESPACE) -> bool:
+    """Whether the render's NetworkPolicies let a pod labelled `source` (in a namespace labelled
+    `source_namespace`) reach a pod of this namespace labelled `target` on TCP `port`, by Kubernetes' rules:
+    a pod no policy selects accepts everything; else some rule of a policy selecting it must admit the peer
+    and the port."""
+    policies = [np for np in by_kind(docs, "NetworkPolicy")
+                if matches(np["spec"]["podSelector"].get("matchLabels", {}), target)]
+    if not policies:
+        return True
+
+    def peer_admits(peer: dict) -> bool:
+        if "namespaceSelector" in peer:
+            if not matches(peer["namespaceSelector"].get("matchLabels", {}), source_namespace):
+                return False
+        elif source_namespace != OWN_NAMESPACE or "podSelector" not in peer:
+            return False
+        return matches(peer.get("podSelector", {}).get("matchLabels", {}), source)
+
+    for np in policies:
+        for rule in np["spec"].get("ingress", []):
+            if rule.get("ports") and port not in [p["port"] for p in rule["ports"]]:
+                continue
+            if "from" not in rule or any(peer_admits(peer) for peer in rule["from"]):
+                return True
+    return False
+
+
+def check_network_access(docs: list[dict]) -> None:
+    """Ray's control plane (GCS, dashboard and Jobs API, client, raylets) is closed to everything but the Ray
+    pods of the same component and, for the dashboard, the KubeRay operator; gRPC only from the release's
+    clients; metrics only from the configured scrapers."""
+    (job,) = training_jobs()
+    pods = {where: meta["labels"] for where, meta, _ in pod_templates(docs + [job])}
+    serve = [labels for where, labels in pods.items() if where.startswith("RayService/")]
+    train = [labels for where, labels in pods.items() if where.startswith("RayJob/") and "submitter" not in where]
+    port = serve_config(docs)["grpc_options"]["port"]
+    intruder = {"app.kubernetes.io/instance": RELEASE, "app.kubernetes.io/component": "intruder",
+                "clipstream.io/qdrant-client": "true", "clipstream.io/mlflow-client": "true"}
+    operator = ({"app.kubernetes.io/name": "kuberay-operator"}, {"kubernetes.io/metadata.name": "ray-system"})
+    client = {"app.kubernetes.io/instance": RELEASE, "clipstream.io/grpc-client": "true"}
+    monitoring = {"kubernetes.io/metadata.name": "monitoring"}
+    metrics = bool(by_kind(docs, "PodMonitor"))
+    for target in serve:
+        for p in (6379, 8265, 10001, 8000, port, 8080, 52365):
+            assert not admitted(docs, intruder, target, p), f"any pod reaches the serve pods on {p}"
+            assert not admitted(docs, train[0], target, p), f"training pods reach the serve pods on {p}"
+        for p in (6379, 8265, 10001, 12345):
+            assert admitted(docs, serve[0], target, p), f"serve pods do not reach each other on {p}"
+        assert admitted(docs, operator[0], target, 8265, operator[1])
+        assert not admitted(docs, operator[0], target, 6379, operator[1])
+        assert admitted(docs, client, target, port) and not admitted(docs, client, target, 8265)
+        assert admitted(docs, {}, target, 8080, monitoring) == metrics
+        assert not admitted(docs, {}, target, 8265, monitoring)
+    for target in train:
+        for p in (6379, 8265, 10001, 12345):
+            assert admitted(docs, train[0], target, p) and not admitted(docs, serve[0], target, p)
+            assert not admitted(docs, intruder, target, p)
+    for component, p in (("mlflow", 5000), ("qdrant", 6333)):
+        selected = [labels for labels in pods.values() if labels.get("app.kubernetes.io/component") == component]
+        for target in selected:
+            assert admitted(docs, {}, target, p, monitoring) == metrics
 
 
 def check_settings(docs: list[dict], monkeypatch, tmp_path) -> None:
@@ -323,7 +458,7 @@ def check_settings(docs: list[dict], monkeypatch, tmp_path) -> None:
     fields = {f"CLIPSTREAM_{name.upper()}" for name in Settings.model_fields}
     assert set(data) <= fields, f"not Settings fields: {sorted(set(data) - fields)}"
     assert data["CLIPSTREAM_RAY_ADDRESS"] == "auto"
-    assert data["CLIPSTREAM_HOME"] == "/tmp/clipstream" and data["CLIPSTREAM_RUNS_DIR"] == "/mnt/clipstream/runs"
+    assert data["CLIPSTREAM_HOME"] == "/tmp/clipstream"
     monkeypatch.chdir(tmp_path)
     for name in list(os.environ):
         if name.startswith("CLIPSTREAM_"):
@@ -334,7 +469,8 @@ def check_settings(docs: list[dict], monkeypatch, tmp_path) -> None:
     settings = Settings()
     assert settings.grpc_port == int(data["CLIPSTREAM_GRPC_PORT"])
     assert settings.ray_address == "auto"
-    assert str(settings.runs_dir) == "/mnt/clipstream/runs"
+    if "://" not in data["CLIPSTREAM_RUNS_DIR"]:
+        assert str(settings.runs_dir) == data["CLIPSTREAM_RUNS_DIR"] == RUNS_MOUNT
     assert not settings.embedded_registry
 
 
@@ -352,8 +488,15 @@ def check_services(docs: list[dict]) -> None:
             args = dict(a.removeprefix("--").split("=", 1) for a in c["args"] if "=" in a)
             assert "--serve-artifacts" in c["args"]
             backend = args["backend-store-uri"]
-            assert backend.startswith("postgresql://") and "$(POSTGRES_PASSWORD)" in backend
-            assert "POSTGRES_PASSWORD" in {e["name"] for e in c["env"]}
+            # the password never sits in the URI or the arguments: libpq reads PGPASSWORD from the Secret
+            assert backend.startswith("postgresql://") and ":" not in backend.split("://", 1)[1].split("@")[0]
+            assert not [a for a in c["args"] if "$(" in a]
+            (init,) = [i for i in dep["spec"]["template"]["spec"]["initContainers"] if i["name"] == "db-upgrade"]
+            assert init["command"] == ["mlflow", "db", "upgrade", backend]
+            for container in (c, init):
+                env = {e["name"]: e for e in container["env"]}
+                assert env["PGPASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": f"{RELEASE}-postgres",
+                                                                         "key": "password"}
             pg_host = backend.rsplit("@", 1)[1].split(":")[0]
             if pg_host.startswith(RELEASE + "-"):
                 assert 5432 in services[pg_host]
@@ -387,6 +530,8 @@ def check_all(docs: list[dict], *, variant: str, gpus: int, secrets_rendered: bo
     check_settings(docs, monkeypatch, tmp_path)
     check_services(docs)
     check_images(docs, variant)
+    check_runs(docs)
+    check_network_access(docs)
 
 
 # ---------------------------------------------------------------- the chart's configurations
@@ -438,7 +583,10 @@ def test_dev_is_cpu_only_and_prod_is_gpu_with_object_store_and_ingress(renders):
     mlflow = one(prod, "Deployment", f"{RELEASE}-mlflow")["spec"]["template"]["spec"]["containers"][0]
     assert "--artifacts-destination=s3://clipstream-prod/mlflow" in mlflow["args"]
     assert {"secretRef": {"name": f"{RELEASE}-object-store"}} in mlflow["envFrom"]
-    assert one(prod, "PersistentVolumeClaim", f"{RELEASE}-runs")["spec"]["storageClassName"]
+    # kind / EBS / PD default classes offer no RWX: dev's runs PVC is ReadWriteOnce, prod's runs are on S3
+    assert one(dev, "PersistentVolumeClaim", f"{RELEASE}-runs")["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert settings_map(prod)["CLIPSTREAM_RUNS_DIR"] == "s3://clipstream-prod/runs"
+    assert not [d for d in by_kind(prod, "PersistentVolumeClaim") if d["metadata"]["name"].endswith("-runs")]
     _head, (worker,) = ray_groups(prod)
     assert worker["replicas"] > 1
     _head, (worker,) = ray_groups(dev)
@@ -448,9 +596,11 @@ def test_dev_is_cpu_only_and_prod_is_gpu_with_object_store_and_ingress(renders):
 def test_generated_secrets(renders):
     for name in ("default", "dev"):
         secrets = {d["metadata"]["name"]: d for d in by_kind(renders[name], "Secret")}
-        assert set(secrets) == {f"{RELEASE}-qdrant", f"{RELEASE}-api", f"{RELEASE}-postgres"}
+        assert set(secrets) == {f"{RELEASE}-qdrant", f"{RELEASE}-api", f"{RELEASE}-postgres", f"{RELEASE}-ray-auth"}
         for s in secrets.values():
             assert all(len(v) >= 40 for v in s["data"].values())  # 32 random characters, base64
+            # kept on uninstall: a reinstall finds them (lookup) and the kept PostgreSQL volume its password
+            assert s["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
 
 
 def test_helm_test_pod(renders):
@@ -471,9 +621,11 @@ def test_names_and_port_follow_the_release_and_values(monkeypatch, tmp_path):
     docs = objects(text)
     validate_all(docs)
     assert one(docs, "ConfigMap", "other-settings")["data"]["CLIPSTREAM_GRPC_PORT"] == "9100"
-    svc = one(docs, "Service", "other-grpc")
-    assert svc["spec"]["ports"][0]["port"] == 9100 and svc["spec"]["selector"]["app.kubernetes.io/instance"] == "other"
-    assert yaml.safe_load(one(docs, "RayService", "other-serve")["spec"]["serveConfigV2"])["grpc_options"]["port"] == 9100
+    rs = one(docs, "RayService", "other-serve")
+    svc = rs["spec"]["serveService"]
+    assert svc["metadata"]["name"] == "other-grpc" and svc["spec"]["ports"][0]["port"] == 9100
+    assert rs["spec"]["rayClusterConfig"]["authOptions"]["secretName"] == "other-ray-auth"
+    assert yaml.safe_load(rs["spec"]["serveConfigV2"])["grpc_options"]["port"] == 9100
     assert "my-api" not in {d["metadata"]["name"] for d in by_kind(docs, "Secret")}
     head, _ = ray_groups(docs)
     env = {e["name"]: e for e in head["template"]["spec"]["containers"][0]["env"]}
@@ -494,7 +646,9 @@ def test_external_services(monkeypatch, tmp_path):
     data = settings_map(docs)
     assert data["CLIPSTREAM_MLFLOW_TRACKING_URI"] == "https://mlflow.example.com"
     assert data["CLIPSTREAM_QDRANT_URL"] == "https://q.example.com:6333"
-    assert not by_kind(docs, "StatefulSet") and not by_kind(docs, "Deployment") and not by_kind(docs, "NetworkPolicy")
+    assert not by_kind(docs, "StatefulSet") and not by_kind(docs, "Deployment")
+    assert {np["metadata"]["name"] for np in by_kind(docs, "NetworkPolicy")} == {f"{RELEASE}-ray-serve",
+                                                                                 f"{RELEASE}-ray-train"}
     check_references(docs, secrets_rendered=True)
     check_selectors(docs)
     check_security(docs)

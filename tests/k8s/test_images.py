@@ -86,7 +86,8 @@ def test_versions_match_the_tested_environment():
     (ray,) = [Requirement(r) for r in pyproject()["project"]["dependencies"] if r.startswith("ray")]
     assert ray.specifier.contains(args["RAY_VERSION"]), f"{args['RAY_VERSION']} is outside the pin {ray}"
     for arg, package in (("TORCH_VERSION", "torch"), ("TORCHVISION_VERSION", "torchvision"),
-                         ("DEEPSPEED_VERSION", "deepspeed"), ("GRPCIO_TOOLS_VERSION", "grpcio-tools")):
+                         ("DEEPSPEED_VERSION", "deepspeed"), ("GRPCIO_TOOLS_VERSION", "grpcio-tools"),
+                         ("MLFLOW_VERSION", "mlflow")):
         assert args[arg] == version(package).split("+")[0], f"{arg} differs from the tested {package}"
     bases = [a.split()[0] for op, a in instructions() if op == "FROM"]
     assert bases and all(b == "rayproject/ray:${RAY_VERSION}-py311-${VARIANT}" for b in bases), bases

@@ -63,7 +63,7 @@ def test_overlay_is_deployable(overlays, overlay, monkeypatch, tmp_path):
 def test_dev_generates_secrets_with_fixed_names(overlays):
     secrets = {d["metadata"]["name"]: d for d in by_kind(overlays["dev"], "Secret")}
     # No hash suffix: KubeRay's pod templates name them and kustomize does not rewrite CRD fields.
-    assert set(secrets) == {f"{RELEASE}-qdrant", f"{RELEASE}-api", f"{RELEASE}-postgres"}
+    assert set(secrets) == {f"{RELEASE}-qdrant", f"{RELEASE}-api", f"{RELEASE}-postgres", f"{RELEASE}-ray-auth"}
     for name, secret in secrets.items():
         assert set(secret["data"]) == SECRETS[name]
     assert not by_kind(overlays["prod"], "Secret")

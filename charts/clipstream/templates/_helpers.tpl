@@ -60,10 +60,32 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "clipstream.secret.objectStore" -}}
 {{- default (printf "%s-object-store" (include "clipstream.fullname" .)) .Values.secrets.objectStore.existingSecret }}
 {{- end }}
-
-{{- define "clipstream.objectStore" -}}
-{{- if .Values.mlflow.artifacts.objectStore.uri }}true{{ end }}
+{{/* Ray's token (key auth_token, the key KubeRay's authOptions.secretName reads). */}}
+{{- define "clipstream.secret.rayAuth" -}}
+{{- default (printf "%s-ray-auth" (include "clipstream.fullname" .)) .Values.secrets.rayAuth.existingSecret }}
 {{- end }}
+
+{{/* Object-store credentials are needed when MLflow's artifacts or the runs live on one. */}}
+{{- define "clipstream.objectStore" -}}
+{{- if or .Values.mlflow.artifacts.objectStore.uri .Values.runs.uri }}true{{ end }}
+{{- end }}
+
+{{/* The runs storage of training: the object-store URI, or the PVC (its claim name) mounted at runsMount. */}}
+{{- define "clipstream.runsMount" -}}/mnt/clipstream/runs{{- end }}
+{{- define "clipstream.runsDir" -}}
+{{- default (include "clipstream.runsMount" .) .Values.runs.uri }}
+{{- end }}
+{{- define "clipstream.runsClaim" -}}
+{{- if not .Values.runs.uri }}
+{{- default (printf "%s-runs" (include "clipstream.fullname" .)) .Values.runs.existingClaim }}
+{{- end }}
+{{- end }}
+
+{{/*
+The largest gRPC request the Serve proxy accepts (services/app.py MAX_REQUEST_BYTES, several images of
+settings.serve_max_image_bytes each): the proxy's limit and the Ingress body limit are this one number.
+*/}}
+{{- define "clipstream.maxRequestBytes" -}}67108864{{- end }}
 
 {{/* Where the bundled or external services are. */}}
 {{- define "clipstream.mlflowUri" -}}
@@ -127,7 +149,7 @@ Ray Serve's throughput settings, read when Ray's processes start: services/app.p
 - name: RAY_SERVE_LOG_TO_STDERR
   value: "0"
 - name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
-  value: "67108864"
+  value: {{ include "clipstream.maxRequestBytes" . | quote }}
 - name: RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH
   value: "68157440"
 {{- end }}
@@ -161,9 +183,8 @@ Ray Serve's throughput settings, read when Ray's processes start: services/app.p
 {{ include "clipstream.serveEnv" . }}
 {{- end }}
 
+{{/* Serving pods read models from MLflow, never the runs storage: only training (RayJob) pods mount it. */}}
 {{- define "clipstream.rayVolumeMounts" -}}
-- name: runs
-  mountPath: /mnt/clipstream/runs
 - name: tmp
   mountPath: /tmp
 - name: cache
@@ -173,9 +194,6 @@ Ray Serve's throughput settings, read when Ray's processes start: services/app.p
 {{- end }}
 
 {{- define "clipstream.rayVolumes" -}}
-- name: runs
-  persistentVolumeClaim:
-    claimName: {{ include "clipstream.fullname" . }}-runs
 - name: tmp
   emptyDir: {}
 - name: cache
@@ -184,6 +202,38 @@ Ray Serve's throughput settings, read when Ray's processes start: services/app.p
   emptyDir:
     medium: Memory
     sizeLimit: {{ .Values.ray.shmSize }}
+{{- if .Values.ray.logs.sidecar.enabled }}
+- name: ray-logs-config
+  configMap:
+    name: {{ include "clipstream.fullname" . }}-ray-logs
+{{- end }}
+{{- end }}
+
+{{/*
+What every pod of the chart takes from its component's values (serve.head, serve.worker, mlflow, qdrant,
+postgres): (dict "pod" <values> "n" <indentation>), each rendering nothing when its values are empty.
+*/}}
+{{- define "clipstream.podLabels" -}}
+{{- with .pod.podLabels }}{{ toYaml . | nindent $.n }}{{ end }}
+{{- end }}
+{{- define "clipstream.podAnnotations" -}}
+{{- with .pod.podAnnotations }}{{ toYaml . | nindent $.n }}{{ end }}
+{{- end }}
+{{- define "clipstream.podScheduling" -}}
+{{- $out := dict }}
+{{- range $field := list "priorityClassName" "nodeSelector" "tolerations" "affinity" "topologySpreadConstraints" }}
+{{- with index $.pod $field }}{{ $_ := set $out $field . }}{{ end }}
+{{- end }}
+{{- with $out }}{{ toYaml . | nindent $.n }}{{ end }}
+{{- end }}
+{{- define "clipstream.extraEnv" -}}
+{{- with .pod.extraEnv }}{{ toYaml . | nindent $.n }}{{ end }}
+{{- end }}
+{{- define "clipstream.extraVolumeMounts" -}}
+{{- with .pod.extraVolumeMounts }}{{ toYaml . | nindent $.n }}{{ end }}
+{{- end }}
+{{- define "clipstream.extraVolumes" -}}
+{{- with .pod.extraVolumes }}{{ toYaml . | nindent $.n }}{{ end }}
 {{- end }}
 
 {{/* Labels of Ray pods: the component plus the NetworkPolicy access labels. */}}
@@ -215,4 +265,42 @@ clipstream.io/mlflow-client: "true"
 {{- if and .Values.ingress.enabled (not .Values.ingress.host) }}
 {{- fail "ingress.host is required when ingress.enabled is true" }}
 {{- end }}
+{{- if and .Values.grpcRoute.enabled (not .Values.grpcRoute.parentRefs) }}
+{{- fail "grpcRoute.parentRefs is required when grpcRoute.enabled is true (the Gateway it attaches to)" }}
+{{- end }}
+{{- if and .Values.metrics.enabled .Values.networkPolicy.enabled (not .Values.metrics.scrapeFrom) }}
+{{- fail "metrics.scrapeFrom is empty: the NetworkPolicies would refuse every scrape (name Prometheus' namespace or pods)" }}
+{{- end }}
+{{- if and .Values.runs.uri .Values.runs.existingClaim }}
+{{- fail "runs.uri and runs.existingClaim exclude each other: runs go to the object store or to a PVC" }}
+{{- end }}
+{{- end }}
+
+{{/*
+Ray and Serve write their logs under /tmp/ray/session_latest/logs of each Ray pod. KubeRay's logging guide
+ships them with a Fluent Bit sidecar that tails them from the shared volume: here to its stdout, so that the
+cluster's log pipeline (kubectl logs -c ray-logs, any node-level collector) has them. Ray pods only
+(ray.logs.sidecar.enabled).
+*/}}
+{{- define "clipstream.rayLogSidecar" -}}
+- name: ray-logs
+  image: "{{ .Values.ray.logs.sidecar.image.repository }}:{{ .Values.ray.logs.sidecar.image.tag }}"
+  imagePullPolicy: {{ .Values.ray.logs.sidecar.image.pullPolicy }}
+  command: [/fluent-bit/bin/fluent-bit, --config=/fluent-bit/etc/ray/fluent-bit.conf]
+  resources:
+    {{- toYaml .Values.ray.logs.sidecar.resources | nindent 4 }}
+  securityContext:
+    {{- include "clipstream.containerSecurityContext" . | nindent 4 }}
+  volumeMounts:
+    - {name: tmp, mountPath: /tmp, readOnly: true}
+    - {name: ray-logs-config, mountPath: /fluent-bit/etc/ray, readOnly: true}
+{{- end }}
+
+{{/* MLflow's database password (server and migration): libpq's PGPASSWORD, from Secret R-postgres. */}}
+{{- define "clipstream.mlflowDbEnv" -}}
+- name: PGPASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "clipstream.secret.postgres" . }}
+      key: password
 {{- end }}
