@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import json
 import math
 import os
 import re
@@ -179,7 +180,12 @@ def check_serve_wiring(docs: list[dict]) -> None:
         assert {p["name"]: p["containerPort"] for p in c["ports"]}["serve-grpc"] == port
         assert c["readinessProbe"]["grpc"]["port"] == port
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    # the Ingress passes what the Serve proxy accepts (nginx's default body limit is 1 MiB)
+    serve_limit = {e["name"]: e.get("value") for e in head_c["env"]}["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]
+    assert serve_limit == consts["SERVE_ENV"]["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]
+    assert int(serve_limit) >= 8 * 1024 * 1024  # at least one image of the default serve_max_image_bytes
     for ingress in by_kind(docs, "Ingress"):
+        assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/proxy-body-size"] == serve_limit
         for rule in ingress["spec"]["rules"]:
             for path in rule["http"]["paths"]:
                 assert path["backend"]["service"] == {"name": f"{RELEASE}-grpc", "port": {"name": "serve-grpc"}}
@@ -248,6 +254,16 @@ def check_log_sidecar(spec: dict, volumes: dict, mounts: dict) -> None:
     assert f"--config={conf_mount['mountPath']}/fluent-bit.conf" in side["command"]
     config = volumes[conf_mount["name"]]["configMap"]["name"]
     assert config == f"{RELEASE}-ray-logs"
+
+
+def check_qdrant(docs: list[dict]) -> None:
+    """Qdrant's snapshots outlive its pod: a volumeClaimTemplate of their own (the default)."""
+    for sts in by_kind(docs, "StatefulSet"):
+        if sts["metadata"]["name"] == f"{RELEASE}-qdrant":
+            (c,) = sts["spec"]["template"]["spec"]["containers"]
+            mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+            claims = {v["metadata"]["name"] for v in sts["spec"]["volumeClaimTemplates"]}
+            assert mounts["/qdrant/snapshots"] in claims and mounts["/qdrant/storage"] in claims
 
 
 def check_runs(docs: list[dict]) -> None:
@@ -532,6 +548,7 @@ def check_all(docs: list[dict], *, variant: str, gpus: int, secrets_rendered: bo
     check_images(docs, variant)
     check_runs(docs)
     check_network_access(docs)
+    check_qdrant(docs)
 
 
 # ---------------------------------------------------------------- the chart's configurations
@@ -606,6 +623,7 @@ def test_generated_secrets(renders):
 def test_helm_test_pod(renders):
     (pod,) = [d for d in renders["default"] if d["kind"] == "Pod"]
     assert pod["metadata"]["annotations"][HOOK] == "test"
+    assert pod["metadata"]["labels"]["clipstream.io/grpc-client"] == "true"  # admitted to the gRPC port
     (c,) = pod["spec"]["containers"]
     port = serve_config(renders["default"])["grpc_options"]["port"]
     assert c["command"] == ["clipstream", "health", "--address", f"{RELEASE}-grpc:{port}"]
@@ -680,8 +698,6 @@ def test_inconsistent_values_fail():
 def test_values_schema_knows_every_setting_the_chart_does_not_set_itself():
     """values.schema.json's `settings` are Settings' fields, less those the chart computes: a new Settings
     field must be settable through the chart (and a removed one must not be)."""
-    import json
-
     from clipstream.settings import Settings
 
     schema = json.loads((REPO / CHART / "values.schema.json").read_text())
@@ -691,3 +707,178 @@ def test_values_schema_knows_every_setting_the_chart_does_not_set_itself():
     # listens on the pod's interfaces, always behind the release's API key; TLS ends at the cluster's ingress
     computed |= {"grpc_host", "grpc_allow_unauthenticated", "tls_cert_file", "tls_key_file", "tls_ca_file"}
     assert set(schema["properties"]["settings"]["properties"]) == set(Settings.model_fields) - computed
+
+
+def secret_value(docs: list[dict], name: str, key: str) -> str:
+    import base64
+
+    return base64.b64decode(one(docs, "Secret", name)["data"][key]).decode()
+
+
+def test_ray_token_auth_is_on_by_default_and_can_use_an_existing_secret():
+    (rs,) = by_kind(objects(helm_template("--set", "secrets.rayAuth.existingSecret=my-ray-token")), "RayService")
+    assert rs["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token", "secretName": "my-ray-token"}
+    docs = objects(helm_template("--set", "secrets.rayAuth.token=fixed-token-0123456789"))
+    assert secret_value(docs, f"{RELEASE}-ray-auth", "auth_token") == "fixed-token-0123456789"
+    docs = objects(helm_template("--set", "ray.auth.enabled=false"))
+    (rs,) = by_kind(docs, "RayService")
+    assert "authOptions" not in rs["spec"]["rayClusterConfig"]
+    assert f"{RELEASE}-ray-auth" not in {d["metadata"]["name"] for d in by_kind(docs, "Secret")}
+
+
+def test_postgres_password_of_any_characters_never_reaches_the_arguments(tmp_path):
+    """A password with URL delimiters: the Secret holds it verbatim, MLflow's URI and arguments never."""
+    from sqlalchemy.engine import make_url
+
+    password = "p@ss:w/o%rd#1"
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"secrets": {"postgres": {"password": password}}}))
+    docs = objects(helm_template("-f", str(values)))
+    validate_all(docs)
+    assert secret_value(docs, f"{RELEASE}-postgres", "password") == password
+    pod = one(docs, "Deployment", f"{RELEASE}-mlflow")["spec"]["template"]["spec"]
+    for c in containers(pod):
+        assert not [a for a in c.get("command", []) + c.get("args", []) if "p@ss" in a or "PASSWORD" in a]
+    (server,) = pod["containers"]
+    uri = dict(a.split("=", 1) for a in server["args"] if a.startswith("--backend-store-uri="))["--backend-store-uri"]
+    url = make_url(uri)
+    assert url.password is None and url.username == "mlflow" and url.database == "mlflow"
+    assert (url.host, url.port) == (f"{RELEASE}-postgres", 5432)
+    # PostgreSQL itself is initialised with the same Secret key
+    (pg,) = one(docs, "StatefulSet", f"{RELEASE}-postgres")["spec"]["template"]["spec"]["containers"]
+    assert {e["name"]: e for e in pg["env"]}["POSTGRES_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": f"{RELEASE}-postgres", "key": "password"}
+
+
+def test_mlflow_migrates_its_pinned_version_and_has_a_pdb_only_with_replicas():
+    from test_images import arg_defaults
+
+    values = yaml.safe_load((REPO / CHART / "values.yaml").read_text())
+    assert values["mlflow"]["version"] == arg_defaults()["MLFLOW_VERSION"], "the chart migrates to the image's MLflow"
+    docs = objects(helm_template())
+    pod = one(docs, "Deployment", f"{RELEASE}-mlflow")["spec"]["template"]
+    assert pod["metadata"]["annotations"]["clipstream.io/mlflow-version"] == values["mlflow"]["version"]
+    assert [c["name"] for c in pod["spec"]["initContainers"]] == ["wait-for-postgres", "db-upgrade"]
+    assert not by_kind(docs, "PodDisruptionBudget")  # one replica: a PDB would only block node drains
+    docs = objects(helm_template("--set", "mlflow.replicas=2",
+                                 "--set", "mlflow.artifacts.objectStore.uri=s3://bucket/mlflow"))
+    validate_all(docs)
+    (pdb,) = by_kind(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert matches(pdb["spec"]["selector"]["matchLabels"],
+                   one(docs, "Deployment", f"{RELEASE}-mlflow")["spec"]["template"]["metadata"]["labels"])
+
+
+@pytest.mark.parametrize("args, runs_dir, claim, mode", [
+    ((), RUNS_MOUNT, f"{RELEASE}-runs", "ReadWriteMany"),
+    (("--set", "runs.accessMode=ReadWriteOnce"), RUNS_MOUNT, f"{RELEASE}-runs", "ReadWriteOnce"),
+    (("--set", "runs.existingClaim=shared-runs"), RUNS_MOUNT, None, None),
+    (("--set", "runs.uri=s3://bucket/runs"), "s3://bucket/runs", None, None),
+])
+def test_runs_storage_is_a_choice(args, runs_dir, claim, mode):
+    docs = objects(helm_template(*args))
+    validate_all(docs)
+    check_runs(docs)
+    assert settings_map(docs)["CLIPSTREAM_RUNS_DIR"] == runs_dir
+    pvcs = {d["metadata"]["name"]: d for d in by_kind(docs, "PersistentVolumeClaim")}
+    assert {n for n in pvcs if n.endswith("-runs")} == ({claim} if claim else set())
+    if mode:
+        assert pvcs[claim]["spec"]["accessModes"] == [mode]
+    if "://" in runs_dir:  # the object store's credentials reach the Ray pods
+        head, _ = ray_groups(docs)
+        assert {"secretRef": {"name": f"{RELEASE}-object-store", "optional": True}} in ray_container(
+            head["template"]["spec"])["envFrom"]
+
+
+def test_grpc_route_is_the_gateway_api_alternative():
+    parent = {"name": "public", "namespace": "gateways", "sectionName": "grpc"}
+    docs = objects(helm_template("--set", "grpcRoute.enabled=true", "--set-json",
+                                 f"grpcRoute.parentRefs={json.dumps([parent])}",
+                                 "--set-json", 'grpcRoute.hostnames=["grpc.example.com"]'))
+    validate_all(docs)  # against the Gateway API v1 CRD
+    (route,) = by_kind(docs, "GRPCRoute")
+    assert route["spec"]["parentRefs"] == [parent] and route["spec"]["hostnames"] == ["grpc.example.com"]
+    check_serve_wiring(docs)
+    assert "grpcRoute.parentRefs" in helm_fails("--set", "grpcRoute.enabled=true")
+
+
+def test_metrics_monitors_and_their_network_access(monkeypatch, tmp_path):
+    docs = objects(helm_template("--set", "metrics.enabled=true", "--set-json", 'metrics.labels={"release":"prom"}'))
+    check_all(docs, variant="gpu", gpus=1, secrets_rendered=True, monkeypatch=monkeypatch, tmp_path=tmp_path)
+    (pm,) = by_kind(docs, "PodMonitor")
+    assert pm["metadata"]["labels"]["release"] == "prom"
+    assert [e["port"] for e in pm["spec"]["podMetricsEndpoints"]] == ["metrics"]
+    for where, meta, spec in pod_templates(docs + training_jobs()):
+        if meta["labels"].get("app.kubernetes.io/instance") == RELEASE and where.startswith("RayService/"):
+            assert {"containerPort": 8080, "name": "metrics"} in ray_container(spec)["ports"]
+    services = {s["metadata"]["name"]: s for s in by_kind(docs, "Service")}
+    monitors = {m["metadata"]["name"]: m for m in by_kind(docs, "ServiceMonitor")}
+    assert set(monitors) == {f"{RELEASE}-mlflow", f"{RELEASE}-qdrant"}
+    for name, monitor in monitors.items():
+        svc = services[name]
+        assert matches(monitor["spec"]["selector"]["matchLabels"], svc["metadata"]["labels"])
+        (endpoint,) = monitor["spec"]["endpoints"]
+        assert endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]} and endpoint["path"] == "/metrics"
+    assert monitors[f"{RELEASE}-qdrant"]["spec"]["endpoints"][0]["authorization"]["credentials"] == {
+        "name": f"{RELEASE}-qdrant", "key": "api-key"}
+    (mlflow,) = one(docs, "Deployment", f"{RELEASE}-mlflow")["spec"]["template"]["spec"]["containers"]
+    assert "--expose-prometheus=/tmp/prometheus" in mlflow["args"]
+    assert "metrics.scrapeFrom" in helm_fails("--set", "metrics.enabled=true", "--set-json", "metrics.scrapeFrom=[]")
+
+
+def test_qdrant_snapshots_on_an_empty_dir_when_asked():
+    docs = objects(helm_template("--set", "qdrant.snapshots.persistence=false"))
+    sts = one(docs, "StatefulSet", f"{RELEASE}-qdrant")
+    assert [v["metadata"]["name"] for v in sts["spec"]["volumeClaimTemplates"]] == ["storage"]
+    assert {"name": "snapshots", "emptyDir": {}} in sts["spec"]["template"]["spec"]["volumes"]
+
+
+def test_ray_logs_sidecar_can_be_left_out():
+    docs = objects(helm_template("--set", "ray.logs.sidecar.enabled=false"))
+    assert f"{RELEASE}-ray-logs" not in {d["metadata"]["name"] for d in by_kind(docs, "ConfigMap")}
+    for group in [ray_groups(docs)[0], *ray_groups(docs)[1]]:
+        assert [c["name"] for c in group["template"]["spec"]["containers"]] in (["ray-head"], ["ray-worker"])
+
+
+def test_every_pod_takes_the_extension_points(tmp_path):
+    """The same fields on each component reach its pod (one helper renders them for all)."""
+    def extras(name: str) -> dict:
+        return {
+            "nodeSelector": {"pool": name}, "priorityClassName": f"{name}-priority",
+            "tolerations": [{"key": "dedicated", "operator": "Equal", "value": name, "effect": "NoSchedule"}],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "zone", "operator": "In", "values": [name]}]}]}}},
+            "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                           "whenUnsatisfiable": "ScheduleAnyway"}],
+            "podLabels": {"team": name}, "podAnnotations": {"note": name},
+            "extraEnv": [{"name": "EXTRA", "value": name}],
+            "extraVolumes": [{"name": "ca", "configMap": {"name": "ca-bundle"}}],
+            "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/ca", "readOnly": True}],
+        }
+
+    components = {"head": ("serve", "head"), "worker": ("serve", "worker"), "mlflow": ("mlflow",),
+                  "qdrant": ("qdrant",), "postgres": ("postgres",)}
+    values: dict = {}
+    for name, path in components.items():
+        node = values
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = extras(name)
+    file = tmp_path / "values.yaml"
+    file.write_text(yaml.safe_dump(values))
+    docs = objects(helm_template("-f", str(file)))
+    validate_all(docs)
+    head, (worker,) = ray_groups(docs)
+    pods = {"head": head["template"], "worker": worker["template"],
+            "mlflow": one(docs, "Deployment", f"{RELEASE}-mlflow")["spec"]["template"],
+            "qdrant": one(docs, "StatefulSet", f"{RELEASE}-qdrant")["spec"]["template"],
+            "postgres": one(docs, "StatefulSet", f"{RELEASE}-postgres")["spec"]["template"]}
+    for name, pod in pods.items():
+        want, spec = extras(name), pod["spec"]
+        for field in ("nodeSelector", "priorityClassName", "tolerations", "affinity", "topologySpreadConstraints"):
+            assert spec[field] == want[field], (name, field)
+        assert pod["metadata"]["labels"]["team"] == name and pod["metadata"]["annotations"]["note"] == name
+        main = spec["containers"][0]
+        assert {"name": "EXTRA", "value": name} in main["env"]
+        assert want["extraVolumeMounts"][0] in main["volumeMounts"] and want["extraVolumes"][0] in spec["volumes"]
+
