@@ -506,7 +506,7 @@ def check_services(docs: list[dict]) -> None:
             backend = args["backend-store-uri"]
             # the password never sits in the URI or the arguments: libpq reads PGPASSWORD from the Secret
             assert backend.startswith("postgresql://") and ":" not in backend.split("://", 1)[1].split("@")[0]
-            assert not [a for a in c["args"] if "$(" in a]
+            assert not [a for a in c["args"] if "PASSWORD" in a.upper() or "PGPASS" in a.upper()]
             (init,) = [i for i in dep["spec"]["template"]["spec"]["initContainers"] if i["name"] == "db-upgrade"]
             assert init["command"] == ["mlflow", "db", "upgrade", backend]
             for container in (c, init):
@@ -823,6 +823,10 @@ def test_metrics_monitors_and_their_network_access(monkeypatch, tmp_path):
         "name": f"{RELEASE}-qdrant", "key": "api-key"}
     (mlflow,) = one(docs, "Deployment", f"{RELEASE}-mlflow")["spec"]["template"]["spec"]["containers"]
     assert "--expose-prometheus=/tmp/prometheus" in mlflow["args"]
+    # Prometheus scrapes the pod's address: MLflow's host check admits it (Kubernetes expands $(POD_IP))
+    allowed = [a for a in mlflow["args"] if a.startswith("--allowed-hosts=")][0].split("=", 1)[1].split(",")
+    assert "$(POD_IP):5000" in allowed
+    assert {e["name"]: e for e in mlflow["env"]}["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert "metrics.scrapeFrom" in helm_fails("--set", "metrics.enabled=true", "--set-json", "metrics.scrapeFrom=[]")
 
 
