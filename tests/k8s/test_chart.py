@@ -686,6 +686,8 @@ def test_values_schema_rejects_wrong_values():
     helm_fails("--set", "settings.grpc_port=70000")
     helm_fails("--set", "image.variant=tpu")
     helm_fails("--set", "serve.head.resources.limits=null")
+    assert "runs/accessMode" in helm_fails("--set", "runs.accessMode=RWX")
+    assert "serve/upgradeStrategy" in helm_fails("--set", "serve.upgradeStrategy=Incremental")
 
 
 def test_inconsistent_values_fail():
@@ -693,6 +695,7 @@ def test_inconsistent_values_fail():
     assert "qdrant.external.url" in helm_fails("--set", "qdrant.enabled=false")
     assert "objectStore" in helm_fails("--set", "mlflow.replicas=2")
     assert "ingress.host" in helm_fails("--set", "ingress.enabled=true")
+    assert "runs.existingClaim" in helm_fails("--set", "runs.uri=s3://b/runs", "--set", "runs.existingClaim=mine")
 
 
 def test_values_schema_knows_every_setting_the_chart_does_not_set_itself():
