@@ -451,7 +451,9 @@ def check_network_access(docs: list[dict]) -> None:
             assert not admitted(docs, train[0], target, p), f"training pods reach the serve pods on {p}"
         for p in (6379, 8265, 10001, 12345):
             assert admitted(docs, serve[0], target, p), f"serve pods do not reach each other on {p}"
+        # the operator reads Serve's status (dashboard) and checks the head's proxy (Serve's HTTP port)
         assert admitted(docs, operator[0], target, 8265, operator[1])
+        assert admitted(docs, operator[0], target, 8000, operator[1])
         assert not admitted(docs, operator[0], target, 6379, operator[1])
         assert admitted(docs, client, target, port) and not admitted(docs, client, target, 8265)
         assert admitted(docs, {}, target, 8080, monitoring) == metrics
