@@ -15,7 +15,12 @@ import json
 import math
 import os
 import re
+import shutil
+import signal
 import subprocess
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -507,7 +512,9 @@ def check_services(docs: list[dict]) -> None:
             assert "--serve-artifacts" in c["args"]
             backend = args["backend-store-uri"]
             # the password never sits in the URI or the arguments: libpq reads PGPASSWORD from the Secret
-            assert backend.startswith("postgresql://") and ":" not in backend.split("://", 1)[1].split("@")[0]
+            # the driver the image installs (psycopg2), not SQLAlchemy's default (psycopg 3 since SQLAlchemy 2.1)
+            assert backend.startswith("postgresql+psycopg2://")
+            assert ":" not in backend.split("://", 1)[1].split("@")[0]
             assert not [a for a in c["args"] if "PASSWORD" in a.upper() or "PGPASS" in a.upper()]
             (init,) = [i for i in dep["spec"]["template"]["spec"]["initContainers"] if i["name"] == "db-upgrade"]
             assert init["command"] == ["mlflow", "db", "upgrade", backend]
@@ -720,6 +727,12 @@ def secret_value(docs: list[dict], name: str, key: str) -> str:
     return base64.b64decode(one(docs, "Secret", name)["data"][key]).decode()
 
 
+def secret_env(docs: list[dict], container: dict) -> dict[str, str]:
+    """The variables a container gets from the rendered Secrets, as the kubelet resolves them."""
+    return {e["name"]: secret_value(docs, e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+            for e in container.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
+
+
 def test_ray_token_auth_is_on_by_default_and_can_use_an_existing_secret():
     (rs,) = by_kind(objects(helm_template("--set", "secrets.rayAuth.existingSecret=my-ray-token")), "RayService")
     assert rs["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token", "secretName": "my-ray-token"}
@@ -891,3 +904,86 @@ def test_every_pod_takes_the_extension_points(tmp_path):
         assert {"name": "EXTRA", "value": name} in main["env"]
         assert want["extraVolumeMounts"][0] in main["volumeMounts"] and want["extraVolumes"][0] in spec["volumes"]
 
+
+
+@pytest.fixture
+def postgres_server():
+    """A real PostgreSQL on a loopback port, user and database as the chart's defaults, for one test:
+    start(password) -> its port. Runs as `nobody` where the tests run as root (PostgreSQL refuses root)."""
+    from clipstream.runtime import free_port
+
+    root = Path(tempfile.mkdtemp(prefix="clipstream-pg-"))
+    as_root = os.geteuid() == 0
+    drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if as_root else []
+    procs = []
+
+    def start(password: str) -> int:
+        (root / "pw").write_text(password)
+        os.chmod(root, 0o755)
+        if as_root:
+            shutil.chown(root, 65534, 65534)
+            shutil.chown(root / "pw", 65534, 65534)
+        subprocess.run([*drop, tool("initdb"), "-D", str(root / "data"), "-U", "mlflow", "--pwfile", str(root / "pw"),
+                        "--auth=scram-sha-256", "-E", "UTF8"], check=True, capture_output=True, timeout=120)
+        port = free_port()
+        log = open(root / "postgres.log", "w")
+        procs.append(subprocess.Popen([*drop, tool("postgres"), "-D", str(root / "data"), "-p", str(port), "-k",
+                                       str(root), "-c", "listen_addresses=127.0.0.1"], stdout=log, stderr=log,
+                                      start_new_session=True))
+        env = {**os.environ, "PGPASSWORD": password}
+        for _ in range(120):
+            done = subprocess.run([tool("psql"), "-h", "127.0.0.1", "-p", str(port), "-U", "mlflow", "-d", "postgres",
+                                   "-c", "CREATE DATABASE mlflow"], env=env, capture_output=True, text=True)
+            if done.returncode == 0:
+                return port
+            time.sleep(0.5)
+        raise AssertionError(f"PostgreSQL did not start: {(root / 'postgres.log').read_text()[-2000:]}")
+
+    try:
+        yield start
+    finally:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_mlflow_migrates_and_reaches_a_real_postgres_whose_password_has_url_delimiters(postgres_server, tmp_path,
+                                                                                      monkeypatch):
+    """The chart's MLflow against a real PostgreSQL initialised with a password of URL delimiters: the rendered
+    `mlflow db upgrade` init container creates MLflow's schema, and the server's backend store opens it, with the
+    password from PGPASSWORD (the Secret) only."""
+    from sqlalchemy.engine import make_url
+
+    password = "p@ss:w/o%rd#1"
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"secrets": {"postgres": {"password": password}}}))
+    docs = objects(helm_template("-f", str(values)))
+    pod = one(docs, "Deployment", f"{RELEASE}-mlflow")["spec"]["template"]["spec"]
+    (init,) = [c for c in pod["initContainers"] if c["name"] == "db-upgrade"]
+    (server,) = pod["containers"]
+    backend = dict(a.split("=", 1) for a in server["args"] if "=" in a)["--backend-store-uri"]
+    port = postgres_server(secret_value(docs, f"{RELEASE}-postgres", "password"))
+    # the same URI, pointed at this PostgreSQL instead of Service R-postgres
+    local = make_url(backend).set(host="127.0.0.1", port=port).render_as_string(hide_password=False)
+    command = [*init["command"][:-1], local]
+    assert init["command"][-1] == backend and command[:3] == ["mlflow", "db", "upgrade"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    # the server asks for the password (a wrong one is refused), so the migration below authenticated with it
+    refused = subprocess.run([tool("psql"), "-h", "127.0.0.1", "-p", str(port), "-U", "mlflow", "-d", "mlflow", "-c",
+                              "SELECT 1"], env={**env, "PGPASSWORD": "wrong"}, capture_output=True, text=True)
+    assert refused.returncode != 0 and "password authentication failed" in refused.stderr
+    # each container with the environment the chart gives it, and nothing else of PostgreSQL's
+    done = subprocess.run([tool(command[0]), *command[1:]], env={**env, **secret_env(docs, init)}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in [k for k in os.environ if k.startswith("PG")]:
+        monkeypatch.delenv(name)
+    for name, value in secret_env(docs, server).items():
+        monkeypatch.setenv(name, value)
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    store = SqlAlchemyStore(local, str(tmp_path / "artifacts"))
+    assert [e.name for e in store.search_experiments()] == ["Default"]
+    store.engine.dispose()
