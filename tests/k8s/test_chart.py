@@ -1,8 +1,9 @@
 """The Helm chart charts/clipstream, rendered with the real `helm` (default values and each ci/ values file)
-and checked for the wiring that breaks a deployment: schema validity (Kubernetes 1.35 + KubeRay v1.7.0),
-the gRPC port path (Serve config -> Ray containers -> Service -> ConfigMap), Ray Serve's own config
-schema, references to Secrets/ConfigMaps/PVCs, pod security, NetworkPolicy selectors, the Settings the
-ConfigMap sets, image tags and values.schema.json.
+and checked for the wiring that breaks a deployment: schema validity (Kubernetes 1.35 + KubeRay v1.7.0, and
+the Gateway API / Prometheus operator CRDs of the optional objects), the gRPC port path (Serve config -> Ray
+containers -> KubeRay's serve Service -> Ingress / GRPCRoute -> ConfigMap), Ray Serve's own config schema,
+Ray token auth, references to Secrets/ConfigMaps/PVCs, pod security, NetworkPolicy selectors and who they
+let reach which port, the runs storage, the Settings the ConfigMap sets, image tags and values.schema.json.
 
 The `check_*` functions are shared with test_kustomize.py (the kustomize overlays must pass the same).
 """
