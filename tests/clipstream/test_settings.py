@@ -29,7 +29,7 @@ def test_defaults_live_under_home_in_cwd(tmp_path):
     home = tmp_path / ".clipstream"
     assert s.home == home and s.home.is_absolute()
     assert s.data_dir == home / "data"
-    assert s.runs_dir == home / "runs"
+    assert s.runs_dir == str(home / "runs")
     assert s.qdrant_path == home / "qdrant"
     assert s.qdrant_url is None and s.qdrant_api_key is None and s.ray_address is None
     assert s.mlflow_tracking_uri == f"sqlite:///{home / 'mlflow.db'}"
@@ -50,7 +50,7 @@ def test_defaults_follow_home(tmp_path, monkeypatch):
 
 def test_ensure_dirs(tmp_path):
     s = Settings(home=tmp_path / "h").ensure_dirs()
-    assert (tmp_path / "h").is_dir() and s.data_dir.is_dir() and s.runs_dir.is_dir()
+    assert (tmp_path / "h").is_dir() and s.data_dir.is_dir() and s.runs_path.is_dir()
 
 
 def test_env_overrides(monkeypatch):
