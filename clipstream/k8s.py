@@ -169,6 +169,21 @@ def key_values(pairs: Sequence[str], flag: str, kind: str = "label") -> dict:
     return out
 
 
+def extras(env: Sequence[str] = (), labels: Sequence[str] = (), annotations: Sequence[str] = ()) -> Extras:
+    """--env, --label and --annotation values; what clipstream itself sets is refused (its labels select the pods
+    for the NetworkPolicies and the stream's steps, its variables are the release's keys and storage)."""
+    out = Extras(key_values(env, "--env", "env"), key_values(labels, "--label"),
+                 key_values(annotations, "--annotation", "annotation"))
+    for key in out.env:
+        if key == "CLIPSTREAM_RUNS_DIR" or key in SECRET_ENV:
+            source = "--runs-dir" if key == "CLIPSTREAM_RUNS_DIR" else "the release's Secret"
+            raise ValueError(f"--env {key}: clipstream sets it (from {source}): leave it out")
+    for key in out.labels:
+        if key.startswith(("clipstream.io/", "app.kubernetes.io/")):
+            raise ValueError(f"--label {key}: clipstream sets the clipstream.io/ and app.kubernetes.io/ labels")
+    return out
+
+
 def toleration(text: str) -> dict:
     """`KEY[=VALUE]:EFFECT` (or `KEY[=VALUE]` for every effect) as a toleration: Equal with a value, else Exists."""
     spec, _, effect = text.rpartition(":") if ":" in text else (text, "", "")

@@ -15,8 +15,7 @@ def _k8s(args) -> None:
     if args.image and (args.release_values or args.variant):
         raise ValueError("--image names the image: leave out --release-values and --variant")
     image = k8s.check_image(args.image) if args.image else k8s.release_image(args.release_values, args.variant)
-    extras = k8s.Extras(env=k8s.key_values(args.env, "--env", "env"), labels=k8s.key_values(args.label, "--label"),
-                        annotations=k8s.key_values(args.annotation, "--annotation", "annotation"))
+    extras = k8s.extras(args.env, args.label, args.annotation)
     release = k8s.Release(args.release, args.namespace, image, k8s.runs_dir(args.runs_dir), args.ray_auth, extras)
     resources = k8s.Resources(args.workers, args.gpus_per_worker, args.worker_cpus, args.worker_memory,
                               node_selector=k8s.key_values(args.node_selector, "--node-selector"),
