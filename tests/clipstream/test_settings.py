@@ -185,3 +185,16 @@ def test_importing_settings_loads_nothing_heavier_than_pydantic():
     from clipstream import index, settings
 
     assert (index.NO_REINDEX, index.REINDEX, index.POLICIES) == (settings.NO_REINDEX, settings.REINDEX, settings.POLICIES)
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/prefix", "gs://bucket/runs/", "file:///srv/runs"])
+def test_runs_dir_uri_stays_a_uri(tmp_path, monkeypatch, uri):
+    """Ray Train's storage_path takes URIs (pyarrow): Path() would make s3://bucket/prefix the local folder
+    s3:/bucket/prefix. The URI reaches child processes unchanged and ensure_dirs makes no local folder of it."""
+    monkeypatch.setenv("CLIPSTREAM_RUNS_DIR", uri)
+    s = Settings(home=tmp_path / "h").ensure_dirs()
+    assert s.runs_dir == uri and s.env()["CLIPSTREAM_RUNS_DIR"] == uri
+    assert str(s.runs_path / "x").startswith(uri.rstrip("/")) and str(s.runs_path / "x").endswith("/x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h"] and not list(tmp_path.rglob("s3:*"))
+    assert Settings(runs_dir="relative/runs").runs_dir == str(tmp_path / "relative/runs")  # a path: absolute
+    assert Settings(runs_dir=tmp_path / "p").runs_dir == str(tmp_path / "p")
