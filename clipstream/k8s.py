@@ -31,6 +31,7 @@ from clipstream.settings import is_uri
 
 RAY_VERSION = "2.60.0"  # the Ray of the image (k8s/images/Dockerfile); tests/k8s check they agree
 REPOSITORY = "ghcr.io/clipstream/clipstream"
+DASHBOARD_PORT = 8265  # Ray's dashboard and Jobs API on the head
 RUNS_MOUNT = "/mnt/clipstream/runs"  # where the chart mounts the runs PVC (its ConfigMap's CLIPSTREAM_RUNS_DIR)
 SECRET_ENV = {"CLIPSTREAM_QDRANT_API_KEY": ("qdrant", "api-key"), "CLIPSTREAM_API_KEY": ("api", "api-key")}
 GPU = "nvidia.com/gpu"
@@ -248,7 +249,9 @@ def _pod(release: Release, name: str, cpus, memory: str, gpus: float = 0, volume
             env.append({"name": "CLIPSTREAM_RUNS_DIR", "value": release.runs_dir})
         env += [{"name": key, "value": value} for key, value in extras.env.items()]
     container = {
-        "name": name, "image": release.image, "imagePullPolicy": "IfNotPresent",
+        # by digest, a node's copy is the image; by tag, every pod asks the registry, so that a job's pods all run
+        # what the tag names now, not what some node pulled before
+        "name": name, "image": release.image, "imagePullPolicy": "IfNotPresent" if "@" in release.image else "Always",
         # object-store credentials for s3:// tasks and storage, when the release has them (the chart's name)
         "envFrom": [{"configMapRef": {"name": f"{release.name}-settings"}},
                     {"secretRef": {"name": f"{release.name}-object-store", "optional": True}}],
@@ -300,7 +303,7 @@ def rayjob(name: str, command: list[str], release: Release, resources: Resources
     priority = {"priorityClassName": resources.priority_class} if resources.priority_class else {}
     head = _pod(release, "ray-head", resources.head_cpus, resources.head_memory, placement=priority)
     head["spec"]["containers"][0]["ports"] = [{"name": "gcs", "containerPort": 6379},
-                                              {"name": "dashboard", "containerPort": 8265}]
+                                              {"name": "dashboard", "containerPort": DASHBOARD_PORT}]
     worker = _pod(release, "ray-worker", resources.worker_cpus, resources.worker_memory, resources.gpus_per_worker,
                   placement={**priority, **resources.worker_placement()})
     submitter = _pod(release, "ray-job-submitter", 1, "1Gi", volumes=("tmp",), clients=False, placement=priority)
@@ -367,6 +370,23 @@ def stream(tasks: Sequence[str], method: str, release: Release, resources: Resou
         manifest["metadata"]["labels"].update({"clipstream.io/stream": name, "clipstream.io/step": str(k)})
         jobs.append(manifest)
     return jobs
+
+
+def network_policy(release: Release) -> dict:
+    """The training pods' ingress, as the chart's NetworkPolicies do for its own: the Ray ports only from the
+    training pods of the release (Ray's GCS, object transfers, NCCL between workers, the submitter); the dashboard
+    port from anywhere, as the KubeRay operator asks the head for the job's status there (Ray's token guards it).
+    One object for all jobs of the release: every `kubectl apply` of a job applies the same."""
+    selector = {k: v for k, v in release.labels("train").items() if not k.startswith("clipstream.io/")}
+    metadata = {"name": f"{release.name}-train", "labels": selector}
+    if release.namespace:
+        metadata["namespace"] = release.namespace
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": metadata,
+        "spec": {"podSelector": {"matchLabels": dict(selector)}, "policyTypes": ["Ingress"],
+                 "ingress": [{"from": [{"podSelector": {"matchLabels": dict(selector)}}]},
+                             {"ports": [{"protocol": "TCP", "port": DASHBOARD_PORT}]}]},
+    }
 
 
 class _Dumper(yaml.SafeDumper):

@@ -29,4 +29,4 @@ def _k8s(args) -> None:
         manifests = k8s.stream(args.tasks, args.method, release, resources, parent=args.parent, overrides=args.set,
                                name=args.name or time.strftime("s%Y%m%d-%H%M%S"), wait_parent_s=args.wait_parent,
                                zero_shot=args.zero_shot)
-    print(k8s.dump(manifests), end="")
+    print(k8s.dump([k8s.network_policy(release), *manifests]), end="")

@@ -14,9 +14,16 @@ from clipstream.cli import main
 from clipstream.cli.parser import parser
 
 
-def cli(capsys, *argv) -> list[dict]:
+def printed(capsys, *argv) -> list[dict]:
     assert main(["k8s", *argv]) == 0
     return objects(capsys.readouterr().out)
+
+
+def cli(capsys, *argv) -> list[dict]:
+    """The RayJobs printed (after the training pods' NetworkPolicy)."""
+    docs = printed(capsys, *argv)
+    assert [d["kind"] for d in docs] == ["NetworkPolicy"] + ["RayJob"] * (len(docs) - 1)
+    return docs[1:]
 
 
 def pods(rayjob: dict) -> list[dict]:
@@ -171,6 +178,35 @@ def test_jobs_run_the_image_the_release_runs(capsys, tmp_path):
     assert image == f"registry.example.com/ml/clipstream:0.1.0-gpu@{digest}"  # (a later file's variant: its tag wins)
     (rayjob,) = cli(capsys, "job", "--task", "s3://b/t0", "--image", f"ghcr.io/org/clipstream@{digest}")
     assert pods(rayjob)[0]["spec"]["containers"][0]["image"] == f"ghcr.io/org/clipstream@{digest}"
+    # a digest is the image wherever a node has it; a tag is asked of the registry by every pod
+    assert {c["imagePullPolicy"] for p in pods(rayjob) for c in p["spec"]["containers"]} == {"IfNotPresent"}
+    (rayjob,) = cli(capsys, "job", "--task", "s3://b/t0", "--image", "ghcr.io/org/clipstream:0.1.0-gpu")
+    assert {c["imagePullPolicy"] for p in pods(rayjob) for c in p["spec"]["containers"]} == {"Always"}
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return selector["matchLabels"].items() <= labels.items()
+
+
+def test_training_pods_take_ray_traffic_only_from_each_other(capsys, chart):
+    """The NetworkPolicy printed with the jobs: every pod of a job is selected; the Ray ports admit the training
+    pods of the release only (not serving's, not another release's); the dashboard is open to the operator."""
+    policy, *jobs = printed(capsys, "stream", "--tasks", "s3://b/t0", "s3://b/t1", "--release", "cs", "--namespace", "ml")
+    validate_all([policy])
+    assert policy["metadata"] == {**policy["metadata"], "name": "cs-train", "namespace": "ml"}
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    peers_rule, dashboard_rule = spec["ingress"]
+    (peers,) = peers_rule["from"]
+    assert "ports" not in peers_rule and dashboard_rule == {"ports": [{"protocol": "TCP", "port": 8265}]}
+    for rayjob in jobs:
+        for pod in pods(rayjob) + [rayjob["spec"]["submitterPodTemplate"]]:
+            labels = pod["metadata"]["labels"]
+            assert selects(spec["podSelector"], labels) and selects(peers["podSelector"], labels)
+    (other,) = cli(capsys, "job", "--task", "s3://b/t0")  # release clipstream
+    serving = [o for o in chart if o["kind"] == "RayService"][0]["spec"]["rayClusterConfig"]["headGroupSpec"]
+    for outsider in (pods(other)[0], serving["template"]):
+        assert not selects(peers["podSelector"], outsider["metadata"]["labels"])
 
 
 @pytest.mark.parametrize("argv, message", [
