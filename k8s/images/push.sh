@@ -25,7 +25,7 @@ die() { echo "push.sh: $1 (see --help)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --repository|--version|--variant|--platform|--out)
-      [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value"
+      [ $# -ge 2 ] && [ -n "$2" ] && [[ "$2" != --* ]] || die "$1 needs a value"
       case "$1" in
         --repository) repository="$2" ;; --version) version="$2" ;; --variant) variant="$2" ;;
         --platform) platform="$2" ;; --out) out="$2" ;;
