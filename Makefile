@@ -60,7 +60,7 @@ TRAIN_TASK := clipstream k8s job --task s3://my-bucket/tasks/task-00-household -
 k8s-base: $(K8S_TOOLS)
 	$(VENV)/bin/helm template clipstream charts/clipstream --namespace clipstream -f k8s/base/values.yaml > k8s/base/clipstream.yaml
 	mkdir -p k8s/jobs
-	{ echo "# $(TRAIN_TASK)  (make k8s-base)"; echo "# one training task as a RayJob: edit the task, then kubectl apply -f"; \
+	{ echo "# $(TRAIN_TASK)  (make k8s-base)"; echo "# one training task as a RayJob, after the training pods' NetworkPolicy: edit the task, then kubectl apply -f"; \
 	  $(VENV)/bin/$(TRAIN_TASK); } > k8s/jobs/train-task.yaml
 
 # The cluster image, GPU and CPU variants, tagged with the package version (needs a docker engine).

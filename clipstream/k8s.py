@@ -161,8 +161,9 @@ def key_values(pairs: Sequence[str], flag: str, kind: str = "label") -> dict:
         key, sep, value = pair.partition("=")
         good_key = _ENV_NAME.match(key) if kind == "env" else _KEY.match(key)
         if not sep or not good_key:
-            raise ValueError(f"{flag} {pair!r}: expected KEY=VALUE with a Kubernetes {kind} "
-                             f"{'name' if kind == 'env' else 'key'} ([prefix/]name)")
+            what = ("a variable name (letters, digits, '_', '-', '.'; no digit first)" if kind == "env"
+                    else f"a Kubernetes {kind} key ([DNS-prefix/]name)")
+            raise ValueError(f"{flag} {pair!r}: expected KEY=VALUE, KEY {what}")
         if kind == "label" and not _LABEL_VALUE.match(value):
             raise ValueError(f"{flag} {pair!r}: a label value is at most 63 letters, digits, '-', '_' or '.', "
                              "starting and ending with a letter or digit")

@@ -24,6 +24,7 @@ def share(path, dest) -> Optional[str]:
         return path
     if is_uri(str(dest)):
         remove(dest)  # (fsspec puts a folder into one that exists, as a rerun of the job would find it)
+        dest.fs.makedirs(dest.parent.path, exist_ok=True)  # (a local filesystem's put makes no parent folder)
         dest.fs.put(str(path), dest.path, recursive=Path(path).is_dir())
     elif Path(path).is_dir():
         shutil.copytree(path, dest, dirs_exist_ok=True)

@@ -3,9 +3,13 @@ a URI (here a real file:// filesystem through fsspec, as s3:// and gs:// go), an
 
 from pathlib import Path
 
+import pytest
+
+from clipstream.registry import Registry
 from clipstream.settings import Settings
 from clipstream.training import shared
-from clipstream.training.job import run_config
+from clipstream.training.job import run_config, run_task
+from tests.conftest import FAST
 
 
 def test_a_uri_runs_dir_reaches_ray_train_unchanged(tmp_path, monkeypatch):
@@ -26,7 +30,8 @@ def test_a_model_folder_and_a_file_go_to_the_workers_through_a_uri(tmp_path):
     settings = Settings(home=tmp_path / "h", runs_dir=(tmp_path / "store").as_uri())
     inputs = settings.runs_path / "inputs" / "run-1"
     for _ in range(2):  # a rerun of the job finds the folder there: it is replaced, not nested
-        folder, file = shared.share(str(model), inputs / "model"), shared.share(str(state), inputs / "state.pt")
+        # (the file first: a job with no model folder to share shares its method state alone)
+        file, folder = shared.share(str(state), inputs / "state.pt"), shared.share(str(model), inputs / "model")
     assert folder == f"{settings.runs_dir}/inputs/run-1/model" and file.startswith("file://")
     assert shared.share("ViT-B-32:laion2b", inputs / "teacher") == "ViT-B-32:laion2b"  # not a file: as it is
     stored = tmp_path / "store/inputs/run-1"
@@ -41,3 +46,18 @@ def test_a_model_folder_and_a_file_go_to_the_workers_through_a_uri(tmp_path):
     shared.remove(inputs)
     shared.remove(inputs)  # (nothing there: nothing to do)
     assert not stored.exists()
+
+
+@pytest.mark.slow
+def test_a_job_trains_on_a_uri_runs_dir(ray_cluster, stream, tmp_path, monkeypatch):
+    """A real job (Ray Train, 2 DeepSpeed workers) whose runs_dir is a URI (file://, read through the same fsspec
+    and pyarrow filesystems as s3://): its parent reaches the workers through the URI, its checkpoints go there, and
+    nothing is left there nor made as a local `file:` folder once the version is registered."""
+    monkeypatch.chdir(tmp_path)
+    store = tmp_path / "store"
+    settings = Settings(home=tmp_path / "home", runs_dir=store.as_uri()).ensure_dirs()
+    first = run_task(stream[0], "finetune", None, workers=2, overrides=FAST, settings=settings)
+    second = run_task(stream[1], "finetune", first.version, workers=2, overrides=FAST, settings=settings)
+    assert Registry(settings).resolve(second.version).tags["parent_version"] == first.version
+    assert [p.name for p in store.iterdir()] == ["inputs"] and not any((store / "inputs").iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "store"]
