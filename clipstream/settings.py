@@ -8,10 +8,11 @@ a YAML file (`CLIPSTREAM_CONFIG` or `./clipstream.yaml`), then the embedded defa
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import Field, PrivateAttr, SecretStr, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -79,7 +80,9 @@ class Settings(BaseSettings):
     tls_key_file: Optional[Path] = Field(None, description="PEM private key of tls_cert_file")
     tls_ca_file: Optional[Path] = Field(None, description="client side (--tls): PEM roots that signed the server's "
                                         "certificate (default: the system's)")
-    runs_dir: Optional[Path] = Field(None, description="Ray Train storage (checkpoints); default HOME/runs")
+    runs_dir: Optional[str] = Field(None, description="Ray Train storage (checkpoints, the inputs a job shares with "
+                                    "its workers): a folder every node mounts, or a URI Ray Train's pyarrow opens "
+                                    "(s3://bucket/runs, gs://, file://); default HOME/runs")
     presets: Optional[Path] = Field(None, description="a YAML file of your own method presets, added to the "
                                     "shipped ones (same format; inherit_from may name shipped presets)")
     promote_max_forgetting: float = Field(25.0, description="a candidate's task-known mean forgetting (R points) may not exceed this")
@@ -121,13 +124,20 @@ class Settings(BaseSettings):
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
         return tuple(sources)
 
+    @field_validator("runs_dir", mode="before")
+    @classmethod
+    def _path_or_uri(cls, value):
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
     @model_validator(mode="after")
     def _resolve_defaults(self) -> "Settings":
         home = self.home.absolute()
         self.home = home
         self.data_dir = (self.data_dir or home / "data").absolute()
         self.qdrant_path = (self.qdrant_path or home / "qdrant").absolute()
-        self.runs_dir = (self.runs_dir or home / "runs").absolute()
+        # a URI stays as written (Path() would make s3://b/runs the local folder s3:/b/runs)
+        runs = self.runs_dir or str(home / "runs")
+        self.runs_dir = runs if is_uri(runs) else str(Path(runs).absolute())
         if self.mlflow_tracking_uri is None:
             self.mlflow_tracking_uri = f"sqlite:///{home / 'mlflow.db'}"
         if self.mlflow_artifact_root is None:
@@ -154,9 +164,18 @@ class Settings(BaseSettings):
     def embedded_registry(self) -> bool:
         return self.mlflow_tracking_uri.startswith("sqlite:")
 
+    @property
+    def runs_path(self):
+        """runs_dir as a path: a `Path`, or for a URI a `UPath` (fsspec) with the same operations."""
+        if is_uri(self.runs_dir):
+            from upath import UPath
+
+            return UPath(self.runs_dir)
+        return Path(self.runs_dir)
+
     def ensure_dirs(self) -> "Settings":
-        for path in (self.home, self.data_dir, self.runs_dir):
-            path.mkdir(parents=True, exist_ok=True)
+        for path in (self.home, self.data_dir, *([] if is_uri(self.runs_dir) else [Path(self.runs_dir)])):
+            path.mkdir(parents=True, exist_ok=True)  # (an object store has no folders to make)
         return self
 
     def env(self) -> dict[str, str]:
@@ -166,6 +185,11 @@ class Settings(BaseSettings):
             if value is not None:
                 out[f"CLIPSTREAM_{name.upper()}"] = value.get_secret_value() if isinstance(value, SecretStr) else str(value)
         return out
+
+
+def is_uri(text: str) -> bool:
+    """`scheme://...` (s3://, gs://, file://), as opposed to a local path."""
+    return bool(re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", str(text)))
 
 
 def _read_secret(name: str, value: Optional[SecretStr], file: Optional[Path]) -> Optional[str]:

@@ -26,6 +26,7 @@ from clipstream.training.losses import clip_loss
 from clipstream.training.methods.base import TaskContext, forward_features, frozen, gathered
 from clipstream.training.methods.state import STATE_FILE as METHOD_STATE_FILE
 from clipstream.training.methods.state import read_state, save_state
+from clipstream.training.shared import local
 
 STATE_FILE = "train_state.json"
 EXPORT_DIR = "export"
@@ -147,11 +148,11 @@ def train_loop(config: dict) -> None:
         torch.set_num_threads(config["threads_per_worker"])
     models.keep_freed_memory()  # every step re-allocates what the last one freed
 
-    bundle = models.create(config["model"]["arch"], config["model_source"])
+    bundle = models.create(config["model"]["arch"], local(config["model_source"]))
     method = methods.build(config)
     model = method.prepare_model(prepare_for_deepspeed(bundle.model))
     if config.get("method_state"):
-        method.load_state_dict(read_state(config["method_state"]))
+        method.load_state_dict(read_state(local(config["method_state"])))
 
     steps_per_epoch = config["steps_per_epoch"]
     total = steps_per_epoch * train["epochs"] // train["grad_accum"]
@@ -159,7 +160,7 @@ def train_loop(config: dict) -> None:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=deepspeed_config(train, world, total))
     teacher = None
     if method.needs_teacher and config.get("teacher_source"):  # θ(t-1) as registered (or pinned): also after a resume
-        teacher = prepare_for_deepspeed(models.create(config["model"]["arch"], config["teacher_source"]).model)
+        teacher = prepare_for_deepspeed(models.create(config["model"]["arch"], local(config["teacher_source"])).model)
         teacher = frozen(teacher.to(device=engine.device, dtype=next(engine.module.parameters()).dtype))
     task_ctx = TaskContext(model=engine.module, task_index=config["task_index"], rank=rank, world_size=world,
                            device=engine.device, teacher=teacher, current=config["current"])

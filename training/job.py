@@ -47,7 +47,7 @@ from clipstream import models
 from clipstream.registry import CANDIDATE, MANIFEST, PRODUCTION, Registry, RunLog, Version
 from clipstream.runtime import init_ray
 from clipstream.settings import Settings
-from clipstream.training import diagnostics, evaluate, launch, methods, resume
+from clipstream.training import diagnostics, evaluate, launch, methods, resume, shared
 from clipstream.training.data.reader import training_dataset
 from clipstream.training.data.task import DataError, Task
 from clipstream.training.engine import EXPORT_DIR, METHOD_STATE_FILE, check_precision
@@ -158,7 +158,7 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
     plan = prepare(registry, task_dir, method, parent, workers, overrides, wait_parent_s, zero_shot, retrain,
                    gpus_per_worker=gpus_per_worker)
     plan.aliases = tuple(aliases)
-    storage = settings.runs_dir / plan.ray_name
+    storage = settings.runs_path / plan.ray_name
     try:
         interrupted = resume.end_interrupted_runs(registry, plan.run_key, plan.task.name)
         plan.resume_after = resume.checkpointed_epoch(storage)
@@ -174,7 +174,7 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
             result = evaluate_version(plan, trained, settings.home / "plots" / run_id, run, settings.embed_precision)
             resume.refuse_registered(registry, plan.tags, plan.generation)  # (an identical job that finished meanwhile)
             version = register(registry, plan, trained, result, run_id)
-        shutil.rmtree(storage, ignore_errors=True)  # its checkpoint is the version now: a retrain starts afresh
+        shared.remove(storage)  # its checkpoint is the version now: a retrain starts afresh
     finally:
         shutil.rmtree(plan.workdir, ignore_errors=True)
     return TaskResult(version, run_id, plan.task.name, plan.task_index, result.known, result.unknown, result.heatmap,
@@ -289,16 +289,20 @@ def fit(plan: Plan, settings: Settings, run: RunLog) -> Path:
     bundle = models.create(config["model"]["arch"], plan.model_source)
     # what the workers and Ray Data's tasks read goes where Ray Train's checkpoints go: storage every node shares
     # (on Kubernetes the runs volume; HOME, where versions are downloaded, is each pod's own)
-    shared = settings.runs_dir / "inputs" / plan.ray_name
-    model_source, state_path = _share(plan.model_source, shared / "model"), _share(plan.state_path, shared / METHOD_STATE_FILE)
+    inputs = settings.runs_path / "inputs" / plan.ray_name
+    model_source = shared.share(plan.model_source, inputs / "model")
+    state_path = shared.share(plan.state_path, inputs / METHOD_STATE_FILE)
     # (the teacher is most often the parent, which is the model: copied once)
-    teacher_source = model_source if plan.teacher_source == plan.model_source else _share(plan.teacher_source, shared / "teacher")
+    teacher_source = (model_source if plan.teacher_source == plan.model_source
+                      else shared.share(plan.teacher_source, inputs / "teacher"))
     init_ray(settings)
     gpus = plan.gpus_per_worker if plan.gpus_per_worker is not None else float(torch.cuda.is_available())
     check_placement(plan.workers, gpus, ray.cluster_resources())
     deterministic = train["deterministic"]
-    teacher_tokens = _tokenizer_spec(teacher_source, bundle.arch) if plan.method.teacher_text else None
-    dataset = training_dataset(plan.sources, bundle.model.visual.preprocess_cfg, _tokenizer_spec(model_source, bundle.arch),
+    teacher_tokens = (_tokenizer_spec(plan.teacher_source, teacher_source, bundle.arch) if plan.method.teacher_text
+                      else None)
+    dataset = training_dataset(plan.sources, bundle.model.visual.preprocess_cfg,
+                               _tokenizer_spec(plan.model_source, model_source, bundle.arch),
                                seed=train["seed"] if deterministic else None, cpus=train["data_cpus"],
                                teacher_tokenizer=teacher_tokens)
     ingest = DataConfig.default_ingest_options()
@@ -316,11 +320,7 @@ def fit(plan: Plan, settings: Settings, run: RunLog) -> Path:
         # PACK would put two CPU workers on one pod's cores and leave the other pod idle
         scaling_config=ScalingConfig(num_workers=plan.workers, use_gpu=gpus > 0, placement_strategy="SPREAD",
                                      resources_per_worker={"CPU": 1, "GPU": gpus} if gpus else {"CPU": 0.5}),
-        # named after what it trains (`plan.ray_name`): the same job run again finds the run's checkpoint manager
-        # snapshot in its folder and gives the workers its last checkpoint (Ray Train's driver fault tolerance)
-        run_config=RunConfig(name=plan.ray_name, storage_path=str(settings.runs_dir),
-                             failure_config=FailureConfig(max_failures=train["max_failures"]),
-                             checkpoint_config=CheckpointConfig(num_to_keep=1)),
+        run_config=run_config(plan.ray_name, settings, train["max_failures"]),
         datasets={"train": dataset}, dataset_config=DataConfig(execution_options=ingest),
     )
     try:
@@ -333,7 +333,7 @@ def fit(plan: Plan, settings: Settings, run: RunLog) -> Path:
                              f"{train['max_failures']} restarts ({cause}); no version was registered (rerunning the "
                              "same command resumes from its last epoch checkpoint, if any)") from exc
     finally:
-        shutil.rmtree(shared, ignore_errors=True)
+        shared.remove(inputs)
     kept = ("samples_per_s", "step_ms", "first_step_ms", "start_epoch", "step")  # logged as train/<name>
     metrics = {k: v for k, v in result.metrics.items() if k in kept}
     if plan.resume_after is not None:  # (the result's metrics are the snapshot's when no epoch was left to train)
@@ -475,26 +475,22 @@ def publish(registry: Registry, folder: Path, manifest: dict, tags: dict, aliase
     return version
 
 
-def _share(path, dest: Path) -> Optional[str]:
-    """`path` (a model folder or file) copied to `dest`, or as it is when it names no local file (a pretrained
-    tag, None)."""
-    if not path or not Path(path).exists():
-        return path
-    if Path(path).is_dir():
-        shutil.copytree(path, dest, dirs_exist_ok=True)
-    else:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, dest)
-    return str(dest)
-
-
 def _vocab_size(folder: Path) -> int:
     return int(json.loads((folder / models.CONFIG_FILE).read_text())["model_cfg"]["text_cfg"]["vocab_size"])
 
 
-def _tokenizer_spec(source: Optional[str], arch: str) -> str:
-    """open_clip's name for a model's tokenizer: its exported folder's own, else its architecture's."""
-    return f"local-dir:{source}" if source and Path(source).is_dir() else arch
+def run_config(name: str, settings: Settings, max_failures: int) -> RunConfig:
+    """Ray Train's storage for the run `name`: named after what it trains (`Plan.ray_name`), the same job run again
+    finds the run's checkpoint manager snapshot in its folder and gives the workers its last checkpoint (Ray
+    Train's driver fault tolerance). runs_dir goes as written: a URI reaches Ray Train's pyarrow filesystem."""
+    return RunConfig(name=name, storage_path=settings.runs_dir, failure_config=FailureConfig(max_failures=max_failures),
+                     checkpoint_config=CheckpointConfig(num_to_keep=1))
+
+
+def _tokenizer_spec(source: Optional[str], shared_source: Optional[str], arch: str) -> str:
+    """open_clip's name for a model's tokenizer: its exported folder's own (as shared with the workers), else its
+    architecture's."""
+    return f"local-dir:{shared_source}" if source and Path(source).is_dir() else arch
 
 
 def _task_of(entry: dict) -> Task:

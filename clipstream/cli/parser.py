@@ -239,11 +239,36 @@ def parser() -> argparse.ArgumentParser:
         q.add_argument("--release", default="clipstream", help="the Helm release whose image, ConfigMap and Secrets "
                        "the job uses (default clipstream)")
         q.add_argument("--namespace", help="the release's namespace (default: kubectl's current one)")
-        q.add_argument("--image", help="default: the chart's image for this clipstream version and --variant")
-        q.add_argument("--variant", choices=("gpu", "cpu"), default="gpu", help="image variant (default gpu)")
+        q.add_argument("--release-values", action="append", default=[], metavar="FILE",
+                       help="the values files the release was installed with (repeatable, in `helm -f` order): the "
+                       "jobs run the image the release runs (image.repository, image.tag, image.variant)")
+        q.add_argument("--image", help="REPOSITORY:TAG or REPOSITORY@sha256:DIGEST (k8s/images/push.sh prints it; "
+                       "default: the release's, from --release-values, else the chart's default for this clipstream "
+                       "version and --variant)")
+        q.add_argument("--variant", choices=("gpu", "cpu"), help="image variant where the values set none "
+                       "(default gpu)")
         q.add_argument("--gpus-per-worker", type=float, default=1, help="default 1 (0 for CPU-only workers)")
         q.add_argument("--worker-cpus", type=int, default=8, help="CPUs per worker pod (default 8)")
         q.add_argument("--worker-memory", default="32Gi", help="memory per worker pod (default 32Gi)")
+        q.add_argument("--runs-dir", default="/mnt/clipstream/runs", metavar="PATH|URI",
+                       help="Ray Train storage: a path on the release's runs volume (mounted there), or an s3:// or "
+                       "gs:// URI every pod reaches (no volume then)")
+        q.add_argument("--node-selector", action="append", default=[], metavar="KEY=VALUE",
+                       help="a node label the worker pods require (repeatable)")
+        q.add_argument("--toleration", action="append", default=[], metavar="KEY[=VALUE][:EFFECT]",
+                       help="a taint the worker pods tolerate (repeatable; workers with GPUs always tolerate "
+                       "nvidia.com/gpu:NoSchedule, as GPU operators taint GPU nodes)")
+        q.add_argument("--affinity", metavar="YAML", help="the worker pods' spec.affinity, as YAML or JSON")
+        q.add_argument("--priority-class", metavar="NAME", help="the PriorityClass of every pod of the job")
+        q.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                       help="an environment variable of the Ray pods (repeatable)")
+        q.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                       help="a label of the RayJob and its pods, e.g. kueue.x-k8s.io/queue-name=gpu (repeatable)")
+        q.add_argument("--annotation", action="append", default=[], metavar="KEY=VALUE",
+                       help="an annotation of the RayJob and its pods (repeatable)")
+        q.add_argument("--no-ray-auth", dest="ray_auth", action="store_false",
+                       help="start the job's Ray cluster without token authentication (default: KubeRay's "
+                       "authOptions mode token, as the release's RayService)")
         training_args(q)
         q.set_defaults(func=manifests._k8s)
 

@@ -29,7 +29,7 @@ def test_defaults_live_under_home_in_cwd(tmp_path):
     home = tmp_path / ".clipstream"
     assert s.home == home and s.home.is_absolute()
     assert s.data_dir == home / "data"
-    assert s.runs_dir == home / "runs"
+    assert s.runs_dir == str(home / "runs")
     assert s.qdrant_path == home / "qdrant"
     assert s.qdrant_url is None and s.qdrant_api_key is None and s.ray_address is None
     assert s.mlflow_tracking_uri == f"sqlite:///{home / 'mlflow.db'}"
@@ -50,7 +50,7 @@ def test_defaults_follow_home(tmp_path, monkeypatch):
 
 def test_ensure_dirs(tmp_path):
     s = Settings(home=tmp_path / "h").ensure_dirs()
-    assert (tmp_path / "h").is_dir() and s.data_dir.is_dir() and s.runs_dir.is_dir()
+    assert (tmp_path / "h").is_dir() and s.data_dir.is_dir() and s.runs_path.is_dir()
 
 
 def test_env_overrides(monkeypatch):
@@ -185,3 +185,16 @@ def test_importing_settings_loads_nothing_heavier_than_pydantic():
     from clipstream import index, settings
 
     assert (index.NO_REINDEX, index.REINDEX, index.POLICIES) == (settings.NO_REINDEX, settings.REINDEX, settings.POLICIES)
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/prefix", "gs://bucket/runs/", "file:///srv/runs"])
+def test_runs_dir_uri_stays_a_uri(tmp_path, monkeypatch, uri):
+    """Ray Train's storage_path takes URIs (pyarrow): Path() would make s3://bucket/prefix the local folder
+    s3:/bucket/prefix. The URI reaches child processes unchanged and ensure_dirs makes no local folder of it."""
+    monkeypatch.setenv("CLIPSTREAM_RUNS_DIR", uri)
+    s = Settings(home=tmp_path / "h").ensure_dirs()
+    assert s.runs_dir == uri and s.env()["CLIPSTREAM_RUNS_DIR"] == uri
+    assert str(s.runs_path / "x").startswith(uri.rstrip("/")) and str(s.runs_path / "x").endswith("/x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h"] and not list(tmp_path.rglob("s3:*"))
+    assert Settings(runs_dir="relative/runs").runs_dir == str(tmp_path / "relative/runs")  # a path: absolute
+    assert Settings(runs_dir=tmp_path / "p").runs_dir == str(tmp_path / "p")

@@ -117,3 +117,43 @@ def test_image_sets_the_serve_environment_of_the_app():
                                            ("training/__pycache__/job.cpython-311.pyc", True)])
 def test_dockerignore_reader(path, expected):
     assert dockerignored(path) is expected
+
+
+PUSH = REPO / "k8s/images/push.sh"
+
+
+def push(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(PUSH), *args], capture_output=True, text=True, cwd=REPO, timeout=30)
+
+
+def test_push_builds_with_buildx_pushes_and_records_the_digest(tmp_path):
+    """`--dry-run` prints what push.sh runs (no docker here): buildx builds the Dockerfile for the variant, tags it
+    VERSION-VARIANT, pushes it and writes the metadata (whose containerimage.digest it records); nothing is
+    written."""
+    out = push("--repository", "registry.example.com:5000/ml/clipstream", "--variant", "cpu", "--out",
+               str(tmp_path / "images"), "--dry-run")
+    assert out.returncode == 0, out.stderr
+    command = out.stdout.splitlines()[0].split()
+    assert command[:3] == ["docker", "buildx", "build"] and "--push" in command
+    value = {flag: command[i + 1] for i, flag in enumerate(command) if flag.startswith("--") and flag != "--push"}
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert value["--tag"] == f"registry.example.com:5000/ml/clipstream:{version}-cpu"
+    assert command[command.index("-f") + 1] == str(DOCKERFILE)
+    assert [a for i, a in enumerate(command) if command[i - 1] == "--build-arg"] == [f"VERSION={version}",
+                                                                                     "VARIANT=cpu"]
+    assert value["--metadata-file"] == str(tmp_path / "images/cpu.metadata.json") and command[-1] == str(REPO)
+    assert "cpu.digest" in out.stdout and "cpu.values.yaml" in out.stdout and not (tmp_path / "images").exists()
+    make = subprocess.run(["make", "-n", "push-images"], capture_output=True, text=True, cwd=REPO, check=True).stdout
+    assert [line.split()[-1] for line in make.splitlines()] == ["gpu", "cpu"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--variant", "tpu"], "--variant 'tpu': gpu or cpu"),
+    (["--repository", "GHCR.io/Org/x"], "--repository 'GHCR.io/Org/x': not an image repository"),
+    (["--version", "1.0/../x"], "--version '1.0/../x': not usable in an image tag"),
+    (["--out"], "--out needs a value"),
+    (["--push-it"], "unknown argument '--push-it'"),
+])
+def test_push_refuses_bad_arguments_in_one_line(args, message):
+    out = push(*args, "--dry-run")
+    assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1 and not out.stdout

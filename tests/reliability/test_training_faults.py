@@ -140,7 +140,7 @@ def _flat(tree, prefix="") -> dict:
 
 @pytest.mark.slow
 def test_a_killed_driver_resumes_on_rerun_registers_one_version_then_a_rerun_is_refused(settings, task, tmp_path):
-    home, cmd, runs = settings.home, _command(task), settings.runs_dir
+    home, cmd, runs = settings.home, _command(task), settings.runs_path
     client = MlflowClient(settings.mlflow_tracking_uri)
     # the uninterrupted run of the same command, in a home of its own, alongside (the jobs mostly wait on Ray)
     reference = Settings(home=tmp_path / "reference").ensure_dirs()

@@ -34,7 +34,7 @@ def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(two_tasks, 
     assert v2.aliases == ["candidate"] and v1.aliases == ["s1-1"]
     assert settings.mlflow_tracking_uri.startswith("sqlite:///") and (settings.home / "mlflow.db").is_file()
     # the second job's workers read the parent from Ray Train's shared storage, cleared when the job ended
-    assert (settings.runs_dir / "inputs").is_dir() and not any((settings.runs_dir / "inputs").iterdir())
+    assert (settings.runs_path / "inputs").is_dir() and not any((settings.runs_path / "inputs").iterdir())
 
     # the run holds the loss curve, the evaluation, the matrix row and the heatmap
     client = MlflowClient(settings.mlflow_tracking_uri)

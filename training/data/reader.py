@@ -29,7 +29,10 @@ def _tokenizer(spec: str):
     import open_clip
 
     from clipstream import models  # noqa: F401  (registers our architectures, so their tokenizers resolve)
+    from clipstream.training.shared import local
 
+    if spec.startswith("local-dir:"):  # a model folder the job shares (on a URI: read from a local copy)
+        spec = f"local-dir:{local(spec.removeprefix('local-dir:'))}"
     return open_clip.get_tokenizer(spec)
 
 
