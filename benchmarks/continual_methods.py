@@ -64,7 +64,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
-    args = parser(prog).parse_args(argv)
+    args = report.parse(parser(prog), argv)
     text = methods(Settings(), args.tasks, args.seed, args.methods.split(","), args.workers, training_sets(args),
                    Path(args.out),
                    args.start_with)

@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--tasks", type=int, default=3, help="domain tasks of the demo (the digits task is added)")
     p.add_argument("--out", default=str(report.RESULTS / "first-run.md"))
-    args = p.parse_args(argv)
+    args = report.parse(p, argv)
     with tempfile.TemporaryDirectory(prefix="first-run-") as tmp:
         result = run_demo(args.tasks, Path(tmp))
     command = f"clipstream bench first-run --tasks {args.tasks} --out {args.out}"

@@ -479,7 +479,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     p.add_argument("--out", default=str(report.RESULTS / "gpu.md"))
     if "--cpu" in (sys.argv[1:] if argv is None else argv):  # the tiny sizes, unless given on the command line
         p.set_defaults(**TINY)
-    args = p.parse_args(argv)
+    args = report.parse(p, argv)
     from clipstream import models
 
     models.architecture(args.arch)  # an unknown name: one line, with a GPU or without

@@ -170,7 +170,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     p.add_argument("--batching-baseline", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the app with max_batch_size=1 (--no-batching-baseline: skip it, saving a redeploy)")
     p.add_argument("--out", default=str(report.RESULTS / "grpc-encode.md"), help="the markdown; the plot goes next to it (.png)")
-    args = p.parse_args(argv)
+    args = report.parse(p, argv)
     from clipstream import models
 
     models.architecture(args.arch)  # an unknown name: one line, before anything runs

@@ -45,7 +45,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
-    args = parser(prog).parse_args(argv)
+    args = report.parse(parser(prog), argv)
     text = index_policy(Settings(), args.tasks, args.seed, args.method, args.workers, training_sets(args), Path(args.out),
                         args.languages, args.test_per_task)
     print(text)

@@ -177,7 +177,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(report.RESULTS / "indexing.md"), help="the markdown; the plot goes next to "
                                                                               "it (.png)")
-    args = p.parse_args(argv)
+    args = report.parse(p, argv)
     models.architecture(args.arch)  # an unknown name: one line, before anything runs
     sizes = sorted({int(s) for s in args.tasks.split(",")})
     if sizes[0] < 1 or args.rounds < 1 or args.pairs < 1 or args.task_pairs < 1:

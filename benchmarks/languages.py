@@ -42,7 +42,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
-    args = parser(prog).parse_args(argv)
+    args = report.parse(parser(prog), argv)
     names = [n for n in args.streams.split(",") if n]
     unknown = sorted(set(names) - set(STREAMS))
     if unknown:

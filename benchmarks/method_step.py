@@ -246,7 +246,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     parser.add_argument("--profile", default="", metavar="METHOD,...",
                         help="also profile these methods' steps (torch profiler): where each phase's time goes")
     parser.add_argument("--out", default=str(report.RESULTS / "method-step.md"))
-    args = parser.parse_args(argv)
+    args = report.parse(parser, argv)
     arch = args.arch or resolve("finetune")["model"]["arch"]
     for name in filter(None, [arch, args.extra_arch]):
         models.architecture(name)  # an unknown name: one line, before any engine is built

@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from clipstream.benchmarks import report
 from clipstream.services.client import Client
 
 KINDS = ("encode_text", "encode_image", "search_text", "search_image")
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--no-suite", action="store_true", help="skip running tests/reliability")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results") / "reliability.md")
-    args = parser.parse_args(argv)
+    args = report.parse(parser, argv)
     load = measure(args.clients, args.seconds, args.replicas)
     lines = ["# Reliability: serving under load and faults, every fault and bad input", "",
              f"`clipstream bench reliability --clients {args.clients} --seconds {args.seconds:g} --replicas "

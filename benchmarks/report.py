@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 RESULTS = Path("benchmarks/results")  # relative: the results folder of the clone one runs from
+
+# what `clipstream bench` runs once a benchmark's options parsed (its quiet mode: see parse)
+after_parse: list[Callable[[], None]] = []
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """The benchmark's options. `clipstream bench` sends the libraries' output to a log file only from here on, so
+    the benchmark's own `--help` and a bad option's one-line error reach the terminal."""
+    args = parser.parse_args(argv)
+    for hook in after_parse:
+        hook()
+    return args
 
 
 def device(*details: str) -> str:

@@ -397,7 +397,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
                    help="search every HNSW segment with this candidate list instead of the index's rule (a sweep of "
                         "recall against latency; the Search RPC's replica keeps the rule). 0: the rule")
     p.add_argument("--out", default=str(report.RESULTS / "search.md"), help="the markdown; the plot goes next to it (.png)")
-    args = p.parse_args(argv)
+    args = report.parse(p, argv)
     if args.compact_segments < 1:
         p.error("--compact-segments: at least 1 (0 is the append layout: compaction off)")
     if args.hnsw_ef < 0:

@@ -62,7 +62,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     p = parser(prog)
-    args = p.parse_args(argv)
+    args = report.parse(p, argv)
     sets = training_sets(args)
     try:
         names = check_methods(args.methods.split(","), ["train.epochs=1", *seeded(args.seed), *sets])

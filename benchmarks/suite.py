@@ -72,7 +72,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     p = parser(prog)
-    args = p.parse_args(argv)
+    args = report.parse(p, argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()] or list(PLAN)
     unknown = [n for n in names if n not in PLAN]
     if unknown:

@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     p.add_argument("--zero-workers", type=int, default=2)
     p.add_argument("--zero-rounds", type=int, default=1, help="rounds that also run the ZeRO jobs (the first ones)")
     p.add_argument("--out", default=str(report.RESULTS / "train-throughput.md"))
-    args = p.parse_args(argv)
+    args = report.parse(p, argv)
     stages = [] if args.zero_stages.strip().lower() in ("", "none") else [int(s) for s in args.zero_stages.split(",")]
 
     import torch

@@ -288,12 +288,21 @@ def _loading(what: str) -> Iterator[None]:
                          f"architecture?): {type(exc).__name__}: {detail}") from exc
 
 
-def load_exported(folder: str | Path) -> ClipBundle:
-    folder = Path(folder)
+def _exported_meta(folder: Path) -> dict:
     config_path = folder / CONFIG_FILE
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder} is not an exported model: {CONFIG_FILE} missing")
-    meta = json.loads(config_path.read_text())
+    return json.loads(config_path.read_text())
+
+
+def exported_arch(folder: str | Path) -> str:
+    """The open_clip architecture an exported folder was made from (its folder name for a stock open_clip export)."""
+    return _exported_meta(Path(folder)).get("arch", Path(folder).name)
+
+
+def load_exported(folder: str | Path) -> ClipBundle:
+    folder = Path(folder)
+    meta = _exported_meta(folder)
     with _loading(str(folder)):
         model, pre_train, pre_val = open_clip.create_model_and_transforms(f"local-dir:{folder}")
         tokenizer = open_clip.get_tokenizer(f"local-dir:{folder}")

@@ -1,10 +1,16 @@
 """Shared fixtures: one local Ray cluster per session, isolated clipstream homes, a tiny synthetic stream."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# DeepSpeed compiles its CPU communication op on first use into TORCH_EXTENSIONS_DIR, by default one folder in
+# HOME for every venv: clones side by side (each with its venv) rebuilt it in turn at every job's start, minutes
+# each on a loaded machine. Each venv keeps its own build.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))
 
 
 @pytest.fixture(scope="session")
@@ -248,9 +254,11 @@ def _gloo_process(worker, rank: int, world: int, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def on_gloo(worker, world: int = 2) -> dict:
+def on_gloo(worker, world: int = 2, timeout_s: float = 600) -> dict:
     """{rank: worker(rank, world)} from `world` real processes in one gloo group. Workers return numpy
-    arrays or numbers, not tensors: a tensor crosses processes through shared memory that dies with it."""
+    arrays or numbers, not tensors: a tensor crosses processes through shared memory that dies with it. A worker
+    that has not answered in `timeout_s` fails the test, and every worker is stopped (one left blocked in a
+    collective, or on a result nobody reads, would hang the test session at exit)."""
     import torch.multiprocessing as mp
 
     from clipstream.runtime import free_port
@@ -261,11 +269,17 @@ def on_gloo(worker, world: int = 2) -> dict:
     procs = [ctx.Process(target=_gloo_process, args=(worker, r, world, port, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    return results
+    try:
+        results = dict(queue.get(timeout=timeout_s) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+        return results
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
 
 
 # ---- the served app: one real Ray Serve app on loopback gRPC for every test that calls it (session-wide, so

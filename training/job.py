@@ -197,6 +197,7 @@ def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optio
     (`gpus_per_worker`, None: one GPU each when the driver sees CUDA); a bad input fails here, before
     Ray starts or a run is opened. A task that already registered a version from the same parent with the same
     method on the same data is refused (`AlreadyRegistered`) unless `retrain`."""
+    overrides = list(overrides)
     config = methods.resolve(method, overrides)
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
@@ -206,6 +207,8 @@ def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optio
     parent_v = registry.resolve(parent, wait_s=wait_parent_s) if parent else None
     if parent_v and task.name in [e["task"] for e in parent_v.lineage]:
         raise ValueError(f"version {parent_v.version} has already been trained on task {task.name!r}")
+    if parent_v:  # a child trains its parent's weights: the run records the parent's architecture, not the preset's
+        _inherit_arch(config, models.exported_arch(parent_v.folder), overrides)
     stack = methods.build(config)
     if parent_v:  # e.g. ER's buffer: the driver reads it to build the training data
         stack.load_state_dict(load_state(parent_v.folder))
@@ -229,6 +232,14 @@ def prepare(registry: Registry, task_dir: str | Path, method: str, parent: Optio
     plan.run_key = resume.run_key(registry.name, config, tags, workers, generation)
     plan.ray_name = f"{registry.name}-{plan.run_name}-{plan.run_key}"
     return plan
+
+
+def _inherit_arch(config: dict, arch: str, overrides: Iterable[str]) -> None:
+    asked = [o.partition("=")[2].strip() for o in overrides if o.partition("=")[0].strip() == "model.arch"]
+    if asked and asked[-1] != arch:
+        raise ValueError(f"model.arch={asked[-1]} asked, but the parent is a {arch}: a child trains its parent's "
+                         "architecture (drop --set model.arch, or start a new stream with `clipstream register --from`)")
+    config["model"].update(arch=arch, pretrained=None)
 
 
 def zero_shot_entries(dirs: Iterable[str | Path], parent: Optional[Version], trained: list[dict]) -> list[dict]:

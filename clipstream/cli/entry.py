@@ -35,7 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     configure_process()  # the process's MLflow set-up, once, here at the door
     if args.command in QUIET and not getattr(args, "verbose", False):
-        _quiet(args.command)
+        if args.command == "bench":  # once the benchmark parsed its own options: its --help and errors show
+            from clipstream.benchmarks import report
+
+            report.after_parse.append(lambda: _quiet("bench"))
+        else:
+            _quiet(args.command)
     # MLflow's SQL store logs a database error with its traceback before raising it; the error is ours to
     # report, in one line (below)
     logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)

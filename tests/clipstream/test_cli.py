@@ -21,6 +21,16 @@ def test_console_script_synthesises_and_checks_a_task(cli_process, tmp_path):
     assert check.returncode == 0 and "train: 60 rows ok, 0 skipped" in check.stdout
 
 
+@pytest.mark.component
+def test_a_benchmarks_own_help_and_option_errors_reach_the_terminal(cli_process):
+    """`clipstream bench` sends the libraries' output to a log file, but only after the benchmark parsed its options."""
+    shown = cli_process("bench", "search", "--help")
+    assert shown.returncode == 0 and shown.stdout.startswith("usage: clipstream bench search") and "--extra-arch" in shown.stdout
+    refused = cli_process("bench", "search", "--sizes", "10", "--bogus")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout
+    assert refused.stderr.strip().splitlines()[-1] == "clipstream bench search: error: unrecognized arguments: --bogus"
+
+
 def test_data_synth_languages_writes_the_language_stream(tmp_path, capsys):
     out = tmp_path / "langs"
     assert main(["data", "synth", "--out", str(out), "--languages", "3", "--train-pairs", "60", "--test-per-task", "8",
@@ -89,29 +99,6 @@ def test_corrupt_image_is_reported_with_file_and_row(tmp_path, stream, capsys, s
     assert "1 skipped" in out and "train.jsonl:1: corrupt image" in out
 
 
-@pytest.fixture
-def sources(tmp_path):
-    """Model sources in open_clip's formats, good and bad: {name: --from value}."""
-    import numpy as np
-    import torch
-
-    from clipstream import models
-
-    torch.manual_seed(0)
-    tiny = models.create("clipstream-vit-tiny")
-    torch.save(tiny.model.state_dict(), tmp_path / "tiny.pt")
-    torch.save(models.create("clipstream-vit-small").model.state_dict(), tmp_path / "small.pt")
-    (tmp_path / "garbage.pt").write_bytes(np.random.default_rng(0).bytes(4096))
-    whole = (tmp_path / "tiny.pt").read_bytes()
-    (tmp_path / "truncated.pt").write_bytes(whole[:len(whole) // 3])
-    (tmp_path / "not-an-export").mkdir()
-    (tmp_path / "not-an-export" / "weights.pt").write_bytes(whole)
-    models.export(tiny, tmp_path / "export")
-    return {"checkpoint": f"clipstream-vit-tiny:{tmp_path / 'tiny.pt'}", "export": str(tmp_path / "export"),
-            **{name: f"clipstream-vit-tiny:{tmp_path / (name + '.pt')}" for name in ("small", "garbage", "truncated")},
-            "missing": f"clipstream-vit-tiny:{tmp_path / 'missing.pt'}", "not-an-export": str(tmp_path / "not-an-export")}
-
-
 @pytest.mark.parametrize("source, message", [
     ("ViT-B-99:openai", "unknown architecture 'ViT-B-99'; close ones: ViT-B-32"),
     ("ViT-B-32:laion9b_nope", "'laion9b_nope' is neither a checkpoint file nor a pretrained tag of ViT-B-32"),
@@ -122,11 +109,11 @@ def sources(tmp_path):
     ("{not-an-export}", "not-an-export is not an exported model: open_clip_config.json missing"),
     ("ViT-B-32", "'ViT-B-32': give ARCH:PRETRAINED"),
 ])
-def test_register_refuses_a_bad_source_in_one_line_and_registers_nothing(source, message, sources, settings, stream,
-                                                                        capsys):
+def test_register_refuses_a_bad_source_in_one_line_and_registers_nothing(source, message, model_sources, settings,
+                                                                        stream, capsys):
     from clipstream.registry import Registry
 
-    source = source.format(**sources)
+    source = source.format(**model_sources)
     assert main(["register", "--from", source, "--evaluate", str(stream[0])]) == 2
     err = capsys.readouterr().err
     lines = [line for line in err.strip().splitlines() if not line.startswith("clipstream: Ray, DeepSpeed")]
@@ -150,22 +137,22 @@ def test_register_a_download_the_network_refuses_exits_1_and_registers_nothing(s
 
 
 @pytest.mark.parametrize("kind", ["checkpoint", "export"])
-def test_register_from_a_checkpoint_or_an_export_folder_makes_version_0(kind, sources, settings, stream, capsys):
+def test_register_from_a_checkpoint_or_an_export_folder_makes_version_0(kind, model_sources, settings, stream, capsys):
     from clipstream.registry import Registry
 
-    assert main(["register", "--from", sources[kind], "--evaluate", str(stream[0]), "--alias", "start"]) == 0
+    assert main(["register", "--from", model_sources[kind], "--evaluate", str(stream[0]), "--alias", "start"]) == 0
     out = capsys.readouterr().out
-    assert f"registered version 1 (alias candidate) from {sources[kind]}: untrained, stream position 0" in out
+    assert f"registered version 1 (alias candidate) from {model_sources[kind]}: untrained, stream position 0" in out
     assert "pretrained" in out and "next: clipstream train --task TASK --parent 1" in out
     version = Registry(settings).resolve("start")
-    assert version.tags["source"] == sources[kind] and version.manifest["lineage"] == []
+    assert version.tags["source"] == model_sources[kind] and version.manifest["lineage"] == []
     assert main(["runs"]) == 0
     assert capsys.readouterr().out.splitlines()[2].split()[:4] == ["1", "candidate,start", "pretrained", "-"]
     assert main(["eval", "--version", "start"]) == 0  # on the tasks of its row 0
     out = capsys.readouterr().out
     assert "version 1 (pretrained, before any training), in memory" in out and Path(stream[0]).name in out
     if kind == "export":  # registered again without --evaluate: it serves no task, and says so
-        assert main(["register", "--from", sources[kind]]) == 0 and main(["eval", "--version", "2"]) == 2
+        assert main(["register", "--from", model_sources[kind]]) == 0 and main(["eval", "--version", "2"]) == 2
         assert "version 2 was trained and evaluated on no task: name tasks with --task" in capsys.readouterr().err
 
 

@@ -90,31 +90,25 @@ def test_from_source_loads_open_clips_checkpoint_formats_and_export_folders(tmp_
         assert loaded.arch == "clipstream-vit-tiny" and named == recorded
 
 
-def test_from_source_refuses_what_open_clip_cannot_load_in_one_line(tmp_path):
-    torch.manual_seed(3)
-    tiny = models.create("clipstream-vit-tiny")
-    torch.save(tiny.model.state_dict(), tmp_path / "tiny.pt")
-    torch.save(models.create("clipstream-vit-small").model.state_dict(), tmp_path / "small.pt")
-    (tmp_path / "garbage.pt").write_bytes(np.random.default_rng(0).bytes(4096))
-    whole = (tmp_path / "tiny.pt").read_bytes()
-    (tmp_path / "truncated.pt").write_bytes(whole[:len(whole) // 2])
-    (tmp_path / "not-an-export").mkdir()
+def test_from_source_refuses_what_open_clip_cannot_load_in_one_line(model_sources):
+    """The refusals themselves (the CLI's exit 2 and "nothing registered": tests/clipstream/test_cli.py); a truncated
+    file names what torch found."""
     cases = {
         "no-such-arch:x.pt": "unknown architecture 'no-such-arch'",
         "ViT-B-32:no_such_tag": "'no_such_tag' is neither a checkpoint file nor a pretrained tag of ViT-B-32 (its tags: openai,",
-        f"clipstream-vit-tiny:{tmp_path / 'missing.pt'}": "is neither a checkpoint file nor a pretrained tag",
-        f"clipstream-vit-tiny:{tmp_path / 'garbage.pt'}": "open_clip cannot load it (a corrupt or truncated file",
-        f"clipstream-vit-tiny:{tmp_path / 'truncated.pt'}": "PytorchStreamReader failed reading zip archive",
-        f"clipstream-vit-tiny:{tmp_path / 'small.pt'}": "open_clip cannot load it",  # another architecture's weights
+        model_sources["missing"]: "is neither a checkpoint file nor a pretrained tag",
+        model_sources["garbage"]: "open_clip cannot load it (a corrupt or truncated file",
+        model_sources["truncated"]: "PytorchStreamReader failed reading zip archive",
+        model_sources["small"]: "open_clip cannot load it",
         "clipstream-vit-tiny": "give ARCH:PRETRAINED",
-        str(tmp_path / "missing-folder"): "give ARCH:PRETRAINED",
+        model_sources["missing-folder"]: "give ARCH:PRETRAINED",
     }
     for source, message in cases.items():
         with pytest.raises(ValueError) as refused:
             models.from_source(source)
         assert message in str(refused.value) and "\n" not in str(refused.value) and len(str(refused.value)) < 600, source
     with pytest.raises(FileNotFoundError, match="not-an-export is not an exported model"):
-        models.from_source(str(tmp_path / "not-an-export"))
+        models.from_source(model_sources["not-an-export"])
 
 
 def test_a_download_that_cannot_reach_the_hub_is_a_dependency_failure_not_bad_input(monkeypatch):

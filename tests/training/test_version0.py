@@ -116,6 +116,18 @@ def test_the_first_trained_version_takes_version_0_as_parent_row_0_and_zero_shot
     assert json.loads((version.folder / MANIFEST).read_text())["lineage"][0]["task"] == "task-00-household"
 
 
+def test_a_child_trains_and_records_its_parents_architecture_not_the_presets(settings, stream, tmp_path):
+    torch.manual_seed(0)
+    path = tmp_path / "small.pt"
+    torch.save(models.create("clipstream-vit-small").model.state_dict(), path)
+    v0 = register_version0(f"clipstream-vit-small:{path}", settings=settings)
+    registry = Registry(settings)
+    plan = prepare(registry, stream[0], "finetune", v0.version, workers=2)  # the preset names clipstream-vit-tiny
+    assert plan.config["model"] == {**plan.config["model"], "arch": "clipstream-vit-small", "pretrained": None}
+    with pytest.raises(ValueError, match="model.arch=clipstream-vit-tiny asked, but the parent is a clipstream-vit-small"):
+        prepare(registry, stream[0], "finetune", v0.version, workers=2, overrides=["model.arch=clipstream-vit-tiny"])
+
+
 def test_bad_input_registers_nothing_and_opens_no_run(settings, stream, tmp_path):
     _, path = checkpoint(tmp_path)
     registry = Registry(settings)

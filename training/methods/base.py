@@ -67,11 +67,6 @@ def gathered(params, write: bool = False):
         yield params
 
 
-def partitioned(model: torch.nn.Module) -> bool:
-    """Whether ZeRO-3 holds `model`'s parameters as partitions (outside a gather each is an empty placeholder)."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())
-
-
 @dataclass
 class TaskContext:
     """What a hook may look at: the live model (unwrapped), the frozen model of the previous task
