@@ -36,6 +36,10 @@ SKIP, STOP = "skip", "stop"  # failure policies
 STREAM_LABEL, PARENT_ANNOTATION = "clipstream.io/stream", "clipstream.io/parent"
 
 
+class SetupError(ValueError):
+    """What the controller needs to reach its jobs is missing (a package, a Kubernetes configuration)."""
+
+
 @dataclass(frozen=True)
 class Incoming:
     """One task of the source: its URI, and why it cannot be trained when its task.yaml does not load."""
@@ -196,10 +200,8 @@ class RayJobs:
     def resume_ready(self, registry) -> list[str]:
         return []  # (the Jobs API has no suspended jobs: `clipstream k8s stream`'s are KubeRay's)
 
-    def lease(self, holder: str) -> "FileLease":
-        from clipstream.settings import Settings
-
-        return FileLease(Settings().home / f"controller-{self.stream}.lock", holder)
+    def lease(self, holder: str, settings) -> "FileLease":
+        return FileLease(settings.home / f"controller-{self.stream}.lock", holder)
 
 
 class KubeRayJobs:
@@ -212,12 +214,16 @@ class KubeRayJobs:
         try:
             import kubernetes
         except ImportError as exc:
-            raise RuntimeError("the Kubernetes mode needs the `kubernetes` package (pip install 'clipstream[cluster]'); "
-                               "or give --jobs-api to submit through the Ray Jobs API") from exc
+            raise SetupError("the Kubernetes mode needs the `kubernetes` package (pip install 'clipstream[cluster]'); "
+                             "or give --jobs-api to submit through the Ray Jobs API") from exc
         try:
             kubernetes.config.load_incluster_config()
         except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config()
+            try:
+                kubernetes.config.load_kube_config()
+            except (kubernetes.config.ConfigException, FileNotFoundError) as exc:
+                raise SetupError(f"no Kubernetes API to talk to ({exc}): run the controller in the cluster (the chart's "
+                                 "controller.enabled), with a kubeconfig, or with --jobs-api") from exc
         self.kubernetes = kubernetes
         self.namespace = namespace or _pod_namespace()
         self.api = kubernetes.client.CustomObjectsApi()
@@ -249,7 +255,7 @@ class KubeRayJobs:
                 resumed.append(job["metadata"]["name"])
         return resumed
 
-    def lease(self, holder: str) -> "KubeLease":
+    def lease(self, holder: str, settings) -> "KubeLease":
         return KubeLease(self.kubernetes, self.namespace, f"{self.release}-controller-{self.stream}", holder)
 
 
@@ -398,7 +404,7 @@ class Controller:
 
         stop = stop or threading.Event()
         holder = f"{socket.gethostname()}/{os.getpid()}"
-        lease = lease or self.backend.lease(holder)
+        lease = lease or self.backend.lease(holder, self.settings)
         while True:
             try:
                 if lease.acquire():

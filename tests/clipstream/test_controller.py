@@ -198,3 +198,16 @@ def test_the_file_lease_is_exclusive_and_freed_when_its_holder_dies(tmp_path):
     finally:
         holder.kill()
         holder.wait(10)
+
+
+def test_bad_input_and_a_missing_kubernetes_api_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    from clipstream.cli import main
+
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("CLIPSTREAM_HOME", str(tmp_path / "home"))
+    assert main(["controller", "--source", str(tmp_path), "--name", "s", "--once"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("clipstream: error: ") and "--jobs-api" in err
+    assert main(["controller", "--source", str(tmp_path), "--name", "s", "--method", "nope"]) == 2
+    assert "unknown method preset 'nope'" in capsys.readouterr().err
