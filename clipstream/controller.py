@@ -83,6 +83,7 @@ class Step:
     state: str  # DONE, PENDING, BAD, or the job's RUNNING / FAILED (a SUCCEEDED job without its version is FAILED)
     version: str = ""
     detail: str = ""
+    job: str = ""  # its job's state; none for a version registered otherwise (e.g. adopted into the stream)
 
 
 def derive(stream: str, tasks: Sequence[Incoming], aliases: dict[str, str], jobs: dict[str, str],
@@ -94,7 +95,7 @@ def derive(stream: str, tasks: Sequence[Incoming], aliases: dict[str, str], jobs
         version = aliases.get(alias(stream, task))
         job = jobs.get(job_name(release, stream, task))
         if version:
-            steps.append(Step(task, DONE, version))
+            steps.append(Step(task, DONE, version, job=job or ""))
         elif job == SUCCEEDED:
             steps.append(Step(task, FAILED, detail=f"its job succeeded but no version carries {alias(stream, task)}"))
         elif job:
@@ -383,8 +384,9 @@ class Controller:
                                   "(the stream stops here: fix the task and delete its job, or set the failure policy "
                                   "to skip)"))
         decision = decide(steps, self.on_failure, self.parent)
-        if decision.newest:
-            self._apply_promotion(decision.newest)
+        newest = next((s for s in steps if s.state == DONE and s.version == decision.newest), None)
+        if newest and newest.job:  # (the policy is for the versions the stream's jobs register)
+            self._apply_promotion(newest.version)
         if decision.submit:
             first = not decision.newest
             manifest = self.plan.manifest(decision.submit, decision.parent, first)

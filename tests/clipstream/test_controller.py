@@ -141,6 +141,8 @@ def test_derive_reads_versions_and_jobs():
                    {name(a): SUCCEEDED, name(b): SUCCEEDED, name(c): FAILED, name(d): RUNNING})
     assert [s.state for s in steps] == [DONE, FAILED, FAILED, RUNNING, PENDING, PENDING, BAD]
     assert steps[0].version == "4" and "no version carries" in steps[1].detail and "splits" in steps[6].detail
+    assert steps[0].job == SUCCEEDED  # a version of the stream's own job (the promotion policy is for those)
+    assert derive("s", [a], {controller.alias("s", a): "1"}, {})[0].job == ""  # registered otherwise
 
 
 def test_a_failed_or_bad_task_is_skipped_or_stops_the_stream():
