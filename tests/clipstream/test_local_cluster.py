@@ -200,6 +200,14 @@ def test_the_stream_controller_trains_incoming_tasks_once_through_a_kill_and_ski
     assert [j.submission_id for j in client.list_jobs() if (j.metadata or {}).get(controller.STREAM_LABEL) == "c"] \
         == [job.submission_id]
     assert client.get_job_status(job.submission_id).value == "SUCCEEDED"
+    # what it submitted is the entrypoint of the RayJob it creates in Kubernetes, which validates against the CRD
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "k8s"))
+    from k8s_checks import validate_all
+
+    plan = controller.Plan("c", resources=controller.k8s.Resources(gpus_per_worker=0), overrides=JOB_SETTINGS)
+    manifest = plan.manifest(controller.Incoming(str(new)), "2", first=False)
+    assert (manifest["metadata"]["name"], manifest["spec"]["entrypoint"]) == (job.submission_id, job.entrypoint)
+    validate_all([manifest])
     assert sorted(int(v.version) for v in registry.search_model_versions("name='clipstream'")) == [1, 2, 3]
     v3 = registry.get_model_version("clipstream", "3")
     assert (v3.tags["task"], v3.tags["parent_version"]) == (new.name, "2")
