@@ -12,8 +12,9 @@ KubeRay's `deletionStrategy.deletionRules` (feature gate RayJobDeletionPolicy, o
 `ttlSecondsAfterFinished` would not do that: it delays the deletion of the whole cluster, GPUs included.
 
 A stream's jobs can be applied at once: job k registers its version with alias `NAME-k`, and job k+1 names
-`@NAME-k` as its parent and waits for it (`clipstream train --wait-parent`), failing with a
-clear message if it does not appear in time.
+`@NAME-k` as its parent. Jobs 2..n are applied suspended (KubeRay's `spec.suspend`: no Ray cluster, no GPU is
+taken); the stream controller (`clipstream controller`, clipstream/controller.py) resumes each once its parent's
+version is registered.
 """
 
 from __future__ import annotations
@@ -355,11 +356,13 @@ def job(task: str, method: str, release: Release, resources: Resources, *, paren
 
 
 def stream(tasks: Sequence[str], method: str, release: Release, resources: Resources, *, name: str,
-           parent: Optional[str] = None, overrides: Sequence[str] = (), wait_parent_s: float = 24 * 3600,
+           parent: Optional[str] = None, overrides: Sequence[str] = (), wait_parent_s: float = 0,
            zero_shot: Sequence[str] = ()) -> list[dict]:
-    """One RayJob per task; job k sets alias NAME-k on its version, job k+1 waits for it as its parent
-    (`@NAME-k`: an alias of the stream the pods' Settings name). The held-out `zero_shot` tasks are given to
-    the first job; the later versions inherit them from their parent."""
+    """One RayJob per task; job k sets alias NAME-k on its version, job k+1 trains on it (`@NAME-k`: an alias of
+    the stream the pods' Settings name). Jobs 2..n are suspended until their parent is registered (the controller
+    resumes them: their annotation names the parent), so no job holds a Ray cluster while it waits; `wait_parent_s`
+    lets a job that is started anyway (the Ray Jobs API knows no suspend) wait that long for its parent. The
+    held-out `zero_shot` tasks are given to the first job; the later versions inherit them from their parent."""
     name = dns_name(name, limit=30)
     jobs = []
     for k, task in enumerate(tasks, start=1):
@@ -369,6 +372,9 @@ def stream(tasks: Sequence[str], method: str, release: Release, resources: Resou
         manifest = rayjob(f"{release.name}-train-{name}-{k}", command, release, resources,
                           deadline_s=int(wait_parent_s) * (k > 1) + 24 * 3600)
         manifest["metadata"]["labels"].update({"clipstream.io/stream": name, "clipstream.io/step": str(k)})
+        if k > 1:
+            manifest["metadata"]["annotations"] = {"clipstream.io/parent": previous}
+            manifest["spec"]["suspend"] = True
         jobs.append(manifest)
     return jobs
 

@@ -413,8 +413,9 @@ def demo(out: Path, method: str = "finetune", tasks: int = 2, seed: int = 0, ove
         dirs = synthesize(cluster.shared / "data", tasks=tasks, seed=seed, digits=False, progress=False)
         held_out = [arg for task in (*zero_shot, held_out_task(cluster.shared / "data"))
                     for arg in ("--zero-shot", str(task))]
+        # (submitted at once: the Jobs API knows no suspended job, so each waits for its parent's version itself)
         jobs = rayjobs("stream", "--tasks", *map(str, dirs), "--name", "demo", "--method", method, *held_out,
-                       overrides=[*SMALL_NODES, *overrides], env=base, cwd=cluster.root)
+                       "--wait-parent", "3600", overrides=[*SMALL_NODES, *overrides], env=base, cwd=cluster.root)
         print(f"\n== training {len(dirs)} tasks: the RayJobs of `clipstream k8s stream` ({method}), submitted through "
               "the Ray Jobs API at once; each waits for its parent's version")
         with console.bar(total=len(jobs), unit="job") as bar:

@@ -13,7 +13,8 @@ from clipstream.cli.parser import parser
 from clipstream.settings import Settings, configure_process
 
 # the commands that start Ray, DeepSpeed or Ray Serve: quiet unless -v (see clipstream.console)
-QUIET = ("train", "register", "eval", "index", "compact", "promote", "rollback", "follow", "serve", "demo", "bench", "ui")
+QUIET = ("train", "register", "eval", "index", "compact", "promote", "rollback", "follow", "serve", "demo", "bench", "ui",
+         "controller")
 
 
 def _quiet(command: str) -> None:

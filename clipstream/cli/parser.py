@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from clipstream.cli import data, demo, manifests, serving, training, ui, versions
+from clipstream.cli import controller, data, demo, manifests, serving, training, ui, versions
 
 DESCRIPTION = "The `clipstream` command: synthesise data, train task after task, evaluate, list versions, demo."
 
@@ -74,6 +74,10 @@ EXAMPLES = {
   clipstream runs
   clipstream promote 3
   clipstream rollback""",
+    "controller": """examples:
+  clipstream controller --source s3://bucket/tasks --name news --promote auto          # in the cluster (the chart)
+  clipstream controller --source data/stream --name s --jobs-api http://127.0.0.1:8265 --once
+  clipstream k8s stream --tasks s3://b/t0 s3://b/t1 --name s | kubectl apply -f -   # resumed by the controller""",
     "demo": """examples:
   clipstream demo                     # 3 domain tasks + digits, finetune, then indexing and searches
   clipstream demo --method ewc --no-serve
@@ -228,12 +232,14 @@ def parser() -> argparse.ArgumentParser:
     kjob = kube_sub.add_parser("job", help="one training task as a RayJob")
     kjob.add_argument("--task", required=True, help="the task's URI as the pods see it: s3://, gs:// or a mounted path")
     kjob.add_argument("--parent", help="models:/STREAM@ALIAS, an alias or a version number")
-    kstream = kube_sub.add_parser("stream", help="one RayJob per task, each waiting for its parent's version")
+    kstream = kube_sub.add_parser("stream", help="one RayJob per task; jobs 2..n suspended until `clipstream controller` "
+                                  "resumes each once its parent's version is registered")
     kstream.add_argument("--tasks", nargs="+", required=True, metavar="URI", help="the tasks in stream order, as the "
                          "pods see them")
     kstream.add_argument("--parent", help="the first task's parent (default: the preset's model)")
-    kstream.add_argument("--wait-parent", type=float, default=24 * 3600, metavar="SECONDS",
-                         help="how long each job waits for its parent's version (default 86400)")
+    kstream.add_argument("--wait-parent", type=float, default=0, metavar="SECONDS",
+                         help="how long a job started before its parent's version exists waits for it (default 0: "
+                              "the controller resumes a job only once its parent is registered)")
     for q in (kjob, kstream):
         q.add_argument("--name", help="job name suffix (job) or the stream's alias prefix (stream; default sDATE-TIME)")
         q.add_argument("--release", default="clipstream", help="the Helm release whose image, ConfigMap and Secrets "
@@ -271,6 +277,33 @@ def parser() -> argparse.ArgumentParser:
                        "authOptions mode token, as the release's RayService)")
         training_args(q)
         q.set_defaults(func=manifests._k8s)
+
+    co = sub.add_parser("controller", help="train each new task of a task source as it appears, one job at a time, "
+                        "and resume the suspended jobs of `k8s stream` (see k8s/README.md)")
+    co.add_argument("--source", required=True, metavar="URI", help="a folder or prefix (s3://, gs://) whose sub-folders "
+                    "with a task.yaml are the tasks, in name order; or a file listing task URIs, one a line")
+    co.add_argument("--name", required=True, help="the stream's name: its jobs' names and its versions' aliases "
+                    "(NAME-TASKKEY) start with it")
+    co.add_argument("--parent", help="the first task's parent (default: the preset's model)")
+    co.add_argument("--promote", choices=("candidate", "auto"), default="candidate",
+                    help="auto: promote each new version whose gates pass; candidate: leave it candidate")
+    co.add_argument("--on-failure", choices=("skip", "stop"), default="skip",
+                    help="a task whose job failed or whose task.yaml is bad: report it and go on (skip), or report it "
+                         "and train nothing after it until it is fixed (stop)")
+    co.add_argument("--jobs-api", metavar="URL", help="submit through this Ray Jobs API (a Ray dashboard; its token "
+                    "from RAY_AUTH_TOKEN) instead of creating RayJobs through the Kubernetes API")
+    co.add_argument("--interval", type=float, default=30.0, help="seconds between passes")
+    co.add_argument("--once", action="store_true", help="one pass, then exit")
+    co.add_argument("--release", default="clipstream", help="the Helm release whose image, ConfigMap and Secrets the "
+                    "jobs use")
+    co.add_argument("--namespace", help="the release's namespace (default: the pod's, or kubectl's current one)")
+    co.add_argument("--image", help="default: the chart's image for this clipstream version and --variant")
+    co.add_argument("--variant", choices=("gpu", "cpu"), default="gpu", help="image variant")
+    co.add_argument("--gpus-per-worker", type=float, default=1, help="0 for CPU-only workers")
+    co.add_argument("--worker-cpus", type=int, default=8, help="CPUs per worker pod")
+    co.add_argument("--worker-memory", default="32Gi", help="memory per worker pod")
+    training_args(co)
+    co.set_defaults(func=controller._controller)
 
     hc = sub.add_parser("health", help="check the running service with grpc.health.v1 (exit 0 when SERVING)")
     hc.add_argument("--service", default="", help="a service name such as clipstream.v1.Search (default: the server)")

@@ -3,8 +3,10 @@ training submitted through the Ray Jobs API with the entrypoints of the RayJobs 
 renders, and serving deployed with `serve deploy` from the chart's RayService, all in the environment the
 Helm chart gives its Ray pods."""
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -126,6 +128,92 @@ def _replicas(cluster) -> dict:
     return {name: sorted(r["replica_id"] for r in d["replicas"]) for name, d in app["deployments"].items()}
 
 
+def test_the_stream_controller_trains_incoming_tasks_once_through_a_kill_and_skips_a_bad_one(trained, tmp_path):
+    """`clipstream controller` on the Ray Jobs API (its local mode), as real processes: the stream's tasks are a list
+    (a ConfigMap's, in Kubernetes); the session's two versions are its first two (given the aliases the controller's
+    jobs set), then a task with a bad task.yaml and a new task appear. The first controller submits the new task's
+    job; a second one waits for the lease; the first is killed mid-job (SIGKILL) and the second resumes: it waits
+    for that job rather than submitting it again, version 3 registers on top of version 2, and the policy promotes
+    it. The bad task is reported and skipped."""
+    from clipstream import controller
+    from clipstream.training.data.synth import synthesize
+    from tests.cluster import JOB_SETTINGS
+
+    cluster, tasks, _ = trained
+    registry = MlflowClient(cluster.mlflow_uri)
+    *_, new = synthesize(cluster.shared / "incoming", tasks=3, seed=5, train_pairs=512, test_per_task=8,
+                         digits=False, held_out=False, progress=False)
+    bad = cluster.shared / "incoming" / "bad"
+    bad.mkdir()
+    (bad / "task.yaml").write_text("name: [oops\n")
+    listing = tmp_path / "tasks.txt"
+    listing.write_text(f"{tasks[0]}\n{tasks[1]}\n")
+    for task, version in zip(tasks, ("1", "2")):
+        registry.set_registered_model_alias("clipstream", controller.alias("c", controller.Incoming(str(task))), version)
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CLIPSTREAM_")}, **cluster.pod_env(),
+           **cluster.auth_env, "CLIPSTREAM_PROMOTE_MAX_AA_DROP": "100", "CLIPSTREAM_PROMOTE_MAX_FORGETTING": "100",
+           "CLIPSTREAM_RAY_ADDRESS": cluster.address}  # (its promotion embeds the gallery on this cluster, no other)
+    command = [os.path.join(os.path.dirname(sys.executable), "clipstream"), "controller", "--source", str(listing),
+               "--name", "c", "--jobs-api", cluster.dashboard_url, "--gpus-per-worker", "0", "--interval", "2",
+               "--promote", "auto", *[a for s in JOB_SETTINGS for a in ("--set", s)]]
+    started = []
+
+    def start(name: str):
+        log = tmp_path / f"{name}.log"
+        with open(log, "w") as out:
+            started.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+                                            start_new_session=True))
+        return log
+
+    def wait_for(log, text: str, timeout_s: float = 300) -> str:
+        deadline = time.monotonic() + timeout_s
+        while text not in log.read_text():
+            assert time.monotonic() < deadline, f"no {text!r} in {log.name}:\n{log.read_text()[-3000:]}"
+            assert started[-1].poll() is None or text in log.read_text(), log.read_text()[-3000:]
+            time.sleep(1)
+        return log.read_text()
+
+    try:
+        first = start("first")
+        wait_for(first, "all 2 tasks handled")  # the session's versions are the stream's: nothing to train
+        listing.write_text(f"{tasks[0]}\n{tasks[1]}\n{bad}\n{new}\n")  # two tasks appear
+        out = wait_for(first, "submitted clipstream-c-")
+        assert f"task {new} on top of version 2" in out and out.count(f"task {bad} bad") == 1
+        second = start("second")
+        wait_for(second, "waiting for the lease held by")
+        client = cluster.jobs()
+        (job,) = [j for j in client.list_jobs() if (j.metadata or {}).get(controller.STREAM_LABEL) == "c"]
+        assert not client.get_job_status(job.submission_id).is_terminal()
+        os.killpg(started[0].pid, signal.SIGKILL)  # mid-job
+        started[0].wait(30)
+        out = wait_for(second, f"waiting for the job of task {new}", 120)
+        assert "submitted" not in out and f"task {bad} bad" in out
+        wait_for(second, "promoted version 3", 1200)
+        assert "all 4 tasks handled" in wait_for(second, "all 4 tasks handled", 60)
+    finally:
+        for process in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(30)
+    # one job for the new task, none for the bad one; the versions in order
+    assert [j.submission_id for j in client.list_jobs() if (j.metadata or {}).get(controller.STREAM_LABEL) == "c"] \
+        == [job.submission_id]
+    assert client.get_job_status(job.submission_id).value == "SUCCEEDED"
+    # what it submitted is the entrypoint of the RayJob it creates in Kubernetes, which validates against the CRD
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "k8s"))
+    from k8s_checks import validate_all
+
+    plan = controller.Plan("c", resources=controller.k8s.Resources(gpus_per_worker=0), overrides=JOB_SETTINGS)
+    manifest = plan.manifest(controller.Incoming(str(new)), "2", first=False)
+    assert (manifest["metadata"]["name"], manifest["spec"]["entrypoint"]) == (job.submission_id, job.entrypoint)
+    validate_all([manifest])
+    assert sorted(int(v.version) for v in registry.search_model_versions("name='clipstream'")) == [1, 2, 3]
+    v3 = registry.get_model_version("clipstream", "3")
+    assert (v3.tags["task"], v3.tags["parent_version"]) == (new.name, "2")
+    assert {controller.alias("c", controller.Incoming(str(new))), "production"} <= set(v3.aliases)
+
+
 def test_a_node_lost_mid_training_fails_the_job_in_one_line_and_registers_nothing(trained, tmp_path):
     """The second node dies (SIGKILL to its raylet and workers) while a job trains with train.max_failures=0:
     the job fails with one line naming the cause, its MLflow run is FAILED, and no version appears. (Resuming
@@ -136,6 +224,8 @@ def test_a_node_lost_mid_training_fails_the_job_in_one_line_and_registers_nothin
     from tests.cluster import JOB_SETTINGS
 
     cluster, tasks, _ = trained
+    registry = MlflowClient(cluster.mlflow_uri)
+    versions = sorted(int(v.version) for v in registry.search_model_versions("name='clipstream'"))
     settings = [*JOB_SETTINGS, "train.epochs=100"]  # far longer than the test waits
     (manifest,) = rayjobs("job", "--task", str(tasks[0]), "--name", "lost", overrides=settings, cwd=tmp_path)
     client = cluster.jobs()
@@ -154,8 +244,7 @@ def test_a_node_lost_mid_training_fails_the_job_in_one_line_and_registers_nothin
     assert client.get_job_status(job) == JobStatus.FAILED
     (line,) = [x for x in logs.splitlines() if x.startswith("clipstream: error:")]
     assert "training failed after train.max_failures=0 restarts" in line and "no version was registered" in line
-    registry = MlflowClient(cluster.mlflow_uri)
-    assert sorted(int(v.version) for v in registry.search_model_versions("name='clipstream'")) == [1, 2]
+    assert sorted(int(v.version) for v in registry.search_model_versions("name='clipstream'")) == versions
     (run,) = registry.search_runs([registry.get_experiment_by_name("clipstream").experiment_id],
                                   "attributes.status = 'FAILED'")
     assert run.data.tags["task"] == tasks[0].name

@@ -988,3 +988,42 @@ def test_mlflow_migrates_and_reaches_a_real_postgres_whose_password_has_url_deli
     store = SqlAlchemyStore(local, str(tmp_path / "artifacts"))
     assert [e.name for e in store.search_experiments()] == ["Default"]
     store.engine.dispose()
+
+
+def test_the_stream_controller_is_off_by_default_and_least_privileged_when_on(renders, monkeypatch, tmp_path):
+    """The controller (values `controller:`): its own ServiceAccount (the chart's mounts no token), a Role allowed
+    RayJobs and its one Lease, and a command that `clipstream controller` parses, with the values given."""
+    from clipstream.cli.parser import parser
+
+    assert not [d for d in renders["default"] if "controller" in d["metadata"]["name"]]
+    docs = objects(helm_template("--set", "controller.enabled=true", "--set", "controller.name=news",
+                                 "--set", "controller.tasks={s3://b/t0,s3://b/t1}", "--set", "controller.promote=auto",
+                                 "--set", "controller.set={train.epochs=2}"))
+    check_all(docs, variant="gpu", gpus=1, secrets_rendered=True, monkeypatch=monkeypatch, tmp_path=tmp_path)
+    name = f"{RELEASE}-controller"
+    assert one(docs, "ServiceAccount", RELEASE)["automountServiceAccountToken"] is False
+    assert one(docs, "ServiceAccount", name)["automountServiceAccountToken"] is True
+    rules = one(docs, "Role", name)["rules"]
+    assert {(tuple(r["apiGroups"]), tuple(r["resources"]), tuple(r["verbs"]), tuple(r.get("resourceNames", ())))
+            for r in rules} == {(("ray.io",), ("rayjobs",), ("get", "list", "create", "patch"), ()),
+                                (("coordination.k8s.io",), ("leases",), ("create",), ()),
+                                (("coordination.k8s.io",), ("leases",), ("get", "update"), (f"{name}-news",))}
+    binding = one(docs, "RoleBinding", name)
+    assert binding["roleRef"]["name"] == name and binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": name, "namespace": NAMESPACE}]
+    pod = one(docs, "Deployment", name)["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == name
+    (container,) = pod["containers"]
+    args = parser().parse_args(container["command"][1:])
+    assert (args.command, args.name, args.promote, args.release, args.namespace, args.set) == (
+        "controller", "news", "auto", RELEASE, NAMESPACE, ["train.epochs=2"])
+    # its lease is the one the Role names: KubeRayJobs.lease names it RELEASE-controller-STREAM
+    tasks = one(docs, "ConfigMap", f"{name}-tasks")["data"]["tasks.txt"]
+    assert tasks.splitlines() == ["s3://b/t0", "s3://b/t1"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "tasks"]
+    assert args.source == f"{mount['mountPath']}/tasks.txt"
+    with_source = objects(helm_template("--set", "controller.enabled=true", "--set", "controller.source=s3://b/tasks"))
+    assert not by_kind([d for d in with_source if "controller" in d["metadata"]["name"]], "ConfigMap")
+    assert "--source s3://b/tasks" in " ".join(one(with_source, "Deployment", name)["spec"]["template"]["spec"]
+                                               ["containers"][0]["command"])
+    assert "does not match pattern" in helm_fails("--set", "controller.enabled=true", "--set", "controller.name=Bad_1")

@@ -263,6 +263,13 @@ def test_stream_chains_each_job_to_its_parents_alias(capsys):
     assert [a.zero_shot for a in args] == [["s3://b/held"], [], []]  # the later versions inherit it
     # a job that waits for its parent gets that much more time before its deadline
     assert jobs[1]["spec"]["activeDeadlineSeconds"] == jobs[0]["spec"]["activeDeadlineSeconds"] + 600
+    # jobs 2..n hold no Ray cluster until the controller resumes them, once the parent their annotation names exists
+    assert [j["spec"].get("suspend", False) for j in jobs] == [False, True, True]
+    assert [j["metadata"].get("annotations", {}).get("clipstream.io/parent") for j in jobs] == [None, "@run7-1", "@run7-2"]
+    # by default nothing waits: a suspended job starts only once its parent is registered
+    plain = cli(capsys, "stream", "--tasks", "s3://b/t0", "s3://b/t1", "--name", "run8")
+    assert [train_args(j).wait_parent for j in plain] == [0, 0]
+    assert plain[1]["spec"]["activeDeadlineSeconds"] == plain[0]["spec"]["activeDeadlineSeconds"]
 
 
 def test_bad_input_is_one_line_and_exit_2(capsys):
