@@ -82,6 +82,8 @@ def test_the_setup_hook_patches_only_when_serve_is_imported():
 def test_the_first_servicer_function_makes_a_dead_replica_retryable():
     """What Serve's proxy does with GRPC_SERVICERS (grpc_util.start_grpc_server), on a real gRPC server: the first
     function patches the proxy's status of a dead replica's request and the handlers the later services get."""
+    from unittest.mock import Mock  # (the servicer Serve passes: its methods are replaced by the proxy's)
+
     import grpc
     from ray._common.utils import import_attr
     from ray.exceptions import RayActorError
@@ -89,8 +91,6 @@ def test_the_first_servicer_function_makes_a_dead_replica_retryable():
     from ray.serve._private.grpc_util import gRPCGenericServer
 
     from clipstream.services.app import GRPC_SERVICERS
-
-    from unittest.mock import Mock  # (the servicer Serve passes: its methods are replaced by the proxy's)
 
     made = []
     server = gRPCGenericServer(lambda service_method, streaming_type: made.append(service_method) or service_method)
