@@ -211,7 +211,8 @@ to the running cluster in place; with serve.autoscaling, Serve scales the Encode
 {{- $_ := set $args $field $value }}
 {{- end }}
 {{- end }}
-{{- $app := dict "name" "clipstream" "import_path" "clipstream.services.app:app" "route_prefix" "/clipstream" "args" $args }}
+{{- $app := dict "name" "clipstream" "import_path" "clipstream.services.app:app" "route_prefix" "/clipstream"
+  "args" $args }}
 {{- with .Values.serve.autoscaling }}
 {{- if .enabled }}
 {{- $scaling := dict "min_replicas" (int .minReplicas) "max_replicas" (int .maxReplicas)
