@@ -248,7 +248,7 @@ class LocalCluster:
     def start(self, timeout_s: float = 120.0) -> LocalCluster:
         for path in (self.shared / "runs", self.shared / "qdrant", self.root / "logs", self.root / "pod-home"):
             path.mkdir(parents=True, exist_ok=True)
-        self._start_mlflow()
+        self.start_mlflow(wait_s=0)  # (waited for with the nodes)
         self._start_node(head=True)
         for i in range(1, self.nodes):
             self._start_node(head=False, index=i)
@@ -342,7 +342,14 @@ class LocalCluster:
         else:
             self._spawn(f"ray-node-{index}", [ray, *common, "--address", self.address], self._node_env(index))
 
-    def _start_mlflow(self) -> None:
+    def stop_mlflow(self) -> None:
+        """The MLflow server goes away (an outage of the registry); `start_mlflow` brings it back on the same port
+        and store."""
+        process = next(p for p in self.processes if p.name == "mlflow")
+        process.stop()
+        self.processes.remove(process)
+
+    def start_mlflow(self, wait_s: float = 120.0) -> None:
         mlflow = tool("mlflow")
         store = self.root / "mlflow"
         store.mkdir(exist_ok=True)
@@ -350,6 +357,8 @@ class LocalCluster:
                    "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}", "--serve-artifacts",
                    "--artifacts-destination", str(store / "artifacts")]
         self._spawn("mlflow", command, dict(self.base_env))
+        if wait_s:
+            self._wait_for(lambda: http_get(f"{self.mlflow_uri}/health") is not None, wait_s, "the MLflow server")
 
     def _wait(self, timeout_s: float) -> None:
         self._wait_for(lambda: http_get(f"{self.mlflow_uri}/health") is not None, timeout_s, "the MLflow server")

@@ -11,12 +11,14 @@ promotion is also a run, in the experiment `STREAM-promotions`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import socket
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +33,10 @@ from mlflow.exceptions import MlflowException
 from clipstream import models
 from clipstream.settings import Settings
 
+logger = logging.getLogger(__name__)
 PRODUCTION = "production"  # the alias serving follows
+NOT_FOUND = ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST")  # MLflow's answers for a missing alias, number
+MAX_RECHECK_S = 60.0  # the longest wait between alias checks while the registry does not answer
 CHECKSUMS = "artifact_sha256"  # version tag: {file: sha256} of the checkpoint folder, taken at registration
 CANDIDATE = "candidate"  # the alias every newly registered version gets
 MANIFEST = "clipstream.json"  # lineage, matrix and config inside each version's checkpoint folder
@@ -54,6 +59,10 @@ class RegistryError(LookupError):
 
 class NoSuchVersion(RegistryError):
     """The reference is well formed but names no version (yet: `resolve(wait_s=...)` waits for it)."""
+
+
+class RegistryUnavailable(RegistryError):
+    """The registry did not answer (MLflow down or unreachable, its database locked)."""
 
 
 class LockHeld(RuntimeError):
@@ -134,12 +143,23 @@ class RunLog:
         return dict(self.client.get_run(self.run_id).data.metrics)
 
 
+@dataclass
+class _Alias:
+    """What an alias named when last checked, when to check it again, and whether a check is under way."""
+
+    version: str
+    due: float
+    checking: bool = False
+
+
 class Registry:
     """Versions, aliases, tags, lineage and promotion history of the stream `settings.stream`.
 
-    `alias_ttl_s` > 0 caches alias lookups in `number()` for that long (serving asks on every request;
-    an alias move is then seen within that time); version numbers never change meaning, so a number
-    found once is never asked again."""
+    `alias_ttl_s` > 0 caches alias lookups in `number()` (serving asks on every request): an alias seen once is
+    answered from the cache while a background thread checks it again every `alias_ttl_s` (an alias move is seen
+    within about that time). While the registry does not answer, the cache keeps answering with the version last
+    seen (stale, `stale_since` says since when), a warning is logged once per outage and the checks back off up
+    to MAX_RECHECK_S. Version numbers never change meaning, so a number found once is never asked again."""
 
     def __init__(self, settings: Settings, alias_ttl_s: float = 0.0):
         # (no process-global MLflow state is set here: everything goes through `self.client`; the process's own
@@ -151,8 +171,11 @@ class Registry:
             Path(self.tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(self.tracking_uri, registry_uri=self.tracking_uri)
         self.alias_ttl_s = alias_ttl_s
-        self._aliases: dict[str, tuple[float, str]] = {}
+        self._aliases: dict[str, _Alias] = {}
         self._numbers: set[str] = set()
+        self._checker: Optional[ThreadPoolExecutor] = None  # made on the first check: one at a time, off the caller
+        self.stale_since: Optional[float] = None  # (time.time()) when the registry stopped answering; None: it answers
+        self._failed_checks = 0
 
     # ---- runs --------------------------------------------------------------------------------------------
     def experiment_id(self, name: Optional[str] = None) -> str:
@@ -229,7 +252,7 @@ class Registry:
         while True:
             try:
                 return self._resolve(ref, download)
-            except NoSuchVersion as exc:
+            except (NoSuchVersion, RegistryUnavailable) as exc:
                 if time.monotonic() + poll_s > deadline:
                     if wait_s:
                         raise RegistryError(f"{exc} after waiting {wait_s:.0f} s: did the job that registers it "
@@ -253,8 +276,10 @@ class Registry:
         try:
             mv = self.client.get_model_version_by_alias(name, alias) if alias else self.client.get_model_version(name, number)
         except MlflowException as exc:
-            # (MLflow answers INVALID_PARAMETER_VALUE for a missing alias, RESOURCE_DOES_NOT_EXIST for a number)
-            raise NoSuchVersion(f"{text}: no such model version in {name!r} ({exc.error_code})") from exc
+            if exc.error_code in NOT_FOUND:
+                raise NoSuchVersion(f"{text}: no such model version in {name!r} ({exc.error_code})") from exc
+            raise RegistryUnavailable(f"the model registry at {self.tracking_uri} did not answer for {text}: "
+                                      f"{str(exc)[:300]}") from exc
         version = Version(str(mv.version), dict(mv.tags), mv.run_id, list(mv.aliases), int(mv.creation_timestamp or 0))
         if download:
             version.folder = self.download(version)
@@ -272,11 +297,43 @@ class Registry:
                 self._numbers.add(ref)
             return ref
         seen = self._aliases.get(ref)
-        if seen and time.monotonic() - seen[0] < self.alias_ttl_s:
-            return seen[1]
-        version = self.resolve(ref, download=False).version
-        self._aliases[ref] = (time.monotonic(), version)
-        return version
+        if seen is None or self.alias_ttl_s <= 0:  # nothing to answer with yet: the caller waits (and sees errors)
+            version = self.resolve(ref, download=False).version
+            if self.alias_ttl_s > 0:
+                self._aliases[ref] = _Alias(version, time.monotonic() + self.alias_ttl_s)
+            return version
+        if time.monotonic() >= seen.due and not seen.checking:
+            seen.checking = True
+            if self._checker is None:
+                self._checker = ThreadPoolExecutor(1, thread_name_prefix="alias-check")
+            self._checker.submit(self._check, ref, seen)
+        return seen.version
+
+    def _check(self, ref: str, seen: "_Alias") -> None:
+        """Look alias `ref` up again (the background check of `number`)."""
+        try:
+            version = self.resolve(ref, download=False).version
+        except NoSuchVersion:  # the alias was removed: the next lookup asks again and answers why
+            self._aliases.pop(ref, None)
+        except Exception as exc:  # noqa: BLE001  (whatever the client raises, the version last seen is served)
+            self._failed_checks += 1
+            if self.stale_since is None:
+                self.stale_since = time.time()
+                logger.warning("the model registry does not answer (%s): serving version %s as %r, last seen; checking "
+                               "again with back-off", str(exc)[:300], seen.version, ref)
+            seen.due = time.monotonic() + min(self.alias_ttl_s * 2 ** self._failed_checks, MAX_RECHECK_S)
+        else:
+            if self.stale_since is not None:
+                logger.warning("the model registry answers again after %.0f s: %r is version %s",
+                               time.time() - self.stale_since, ref, version)
+                self.stale_since, self._failed_checks = None, 0
+            seen.version, seen.due = version, time.monotonic() + self.alias_ttl_s
+        finally:
+            seen.checking = False
+
+    def staleness_s(self) -> float:
+        """Seconds since the registry last answered an alias check (0 while it answers)."""
+        return 0.0 if self.stale_since is None else time.time() - self.stale_since
 
     def versions(self) -> list[Version]:
         """Every registered version, oldest first, with its aliases."""

@@ -17,7 +17,9 @@ from clipstream.services.search import Search
 from clipstream.settings import Settings, configure_process
 
 APP = "clipstream"
-GRPC_SERVICERS = ["clipstream.v1.encoder_pb2_grpc.add_EncoderServicer_to_server",
+# the first one is not a service: it makes the proxy say UNAVAILABLE for a dead replica (services/binding.py)
+GRPC_SERVICERS = ["clipstream.services.binding.retry_dead_replicas",
+                  "clipstream.v1.encoder_pb2_grpc.add_EncoderServicer_to_server",
                   "clipstream.v1.search_pb2_grpc.add_SearchServicer_to_server",
                   "clipstream.v1.admin_pb2_grpc.add_AdminServicer_to_server", "clipstream.services.health.add_health_service"]
 

@@ -8,10 +8,14 @@ the port, and the proxy acknowledges what it bound, so `confirm` can fail loudly
 way (Serve already running, Ray started without the hook). Other ports (the replicas' internal gRPC servers)
 bind as Ray binds them.
 
-The same hook makes the proxy answer UNAVAILABLE (retried by the client's retry policy) rather than INTERNAL
-for a request whose replica died before answering (`_patch_status`). Importing Serve costs ~2 s, and every Ray
-worker (training, Ray Data tasks) runs the setup hook: the patches are applied only when a process imports
-those modules.
+Importing Serve costs ~2 s, and every Ray worker (training, Ray Data tasks) runs the setup hook: the patch is
+applied only when a process imports that module.
+
+`retry_dead_replicas`, the first of the application's gRPC servicer functions (services/app.py GRPC_SERVICERS, the
+chart's serveConfigV2), makes the proxy answer UNAVAILABLE (retried by the client's retry policy) rather than
+INTERNAL for a request whose replica died before answering. Serve calls the servicer functions inside each proxy
+actor as it builds its gRPC server, however Ray was started (`clipstream serve`, or a RayService whose pods run
+plain `ray start` with no setup hook), so this is where that patch is installed.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def confirm(settings, timeout_s: float = 10.0) -> str:
 
 
 def install() -> None:
-    """Ray's `worker_process_setup_hook`: patch Serve's proxy when (if ever) this process imports it."""
+    """Ray's `worker_process_setup_hook`: patch Serve's gRPC listener when (if ever) this process imports it."""
     pending = [name for name in PATCHES if name not in sys.modules]
     for name in set(PATCHES) - set(pending):
         PATCHES[name](sys.modules[name])
@@ -117,10 +121,20 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def retry_dead_replicas(_placeholder, server) -> None:
+    """A gRPC servicer function of the application (called by Serve's proxy with its gRPC server, before the
+    application's services are added): a replica that dies holding a request (killed, its node lost) fails that
+    request with INTERNAL in Serve's proxy; nothing was answered and every clipstream RPC is a read, so say
+    UNAVAILABLE, in a way the client's retry policy retries on a live replica."""
+    from ray.serve._private import proxy
+
+    _patch_status(proxy)
+    server.service_handler_factory = _aborting(server.service_handler_factory, proxy.gRPCStreamingType.UNARY_UNARY)
+
+
 def _patch_status(proxy) -> None:
-    """A replica that dies holding a request (killed, its node lost) fails that request with INTERNAL in Serve's
-    proxy; nothing was answered and every clipstream RPC is a read, so say UNAVAILABLE, which the client's retry
-    policy retries on a live replica."""
+    """The proxy's status of an exception (a module function it looks up per request): UNAVAILABLE for a replica
+    that died."""
     original = proxy.get_grpc_response_status
     if getattr(original, "clipstream", False):
         return
@@ -139,17 +153,19 @@ def _patch_status(proxy) -> None:
     get_grpc_response_status.clipstream = True
     proxy.get_grpc_response_status = get_grpc_response_status
 
-    # Serve's unary handler answers an error by setting the status and returning an empty message; gRPC then
-    # sends headers first, and a client's retry policy never retries a call whose headers arrived. Aborting
-    # instead sends the status alone (trailers-only), which the policy retries when it says UNAVAILABLE.
+
+def _aborting(factory, unary):
+    """Serve's handler factory, whose unary handlers answer an error by setting the status and returning an empty
+    message; gRPC then sends headers first, and a client's retry policy never retries a call whose headers arrived.
+    Aborting instead sends the status alone (trailers-only), which the policy retries when it says UNAVAILABLE.
+    (The server holds the factory it calls, bound at its creation: it is replaced there.)"""
     import grpc
 
     codes = {code.value[0]: code for code in grpc.StatusCode}
-    factory = proxy.gRPCProxy.service_handler_factory
 
-    def service_handler_factory(self, service_method, streaming_type):
-        handler = factory(self, service_method, streaming_type)
-        if streaming_type != proxy.gRPCStreamingType.UNARY_UNARY:
+    def service_handler_factory(service_method, streaming_type):
+        handler = factory(service_method=service_method, streaming_type=streaming_type)
+        if streaming_type != unary:
             return handler
 
         async def unary_unary(request_proto, context):
@@ -162,7 +178,7 @@ def _patch_status(proxy) -> None:
 
         return unary_unary
 
-    proxy.gRPCProxy.service_handler_factory = service_handler_factory
+    return service_handler_factory
 
 
 def _patch(default_impl) -> None:
@@ -191,7 +207,7 @@ def _patch(default_impl) -> None:
     default_impl.add_grpc_address = add_grpc_address
 
 
-PATCHES = {TARGET: lambda module: _patch(module), "ray.serve._private.proxy": _patch_status}
+PATCHES = {TARGET: _patch}
 
 
 def _spec(port: int) -> Optional[dict]:

@@ -9,7 +9,9 @@ and each group runs through its model once, on a thread of its own: the replica'
 requests while the model computes, so under load the next batch is full when the model is free (run on the
 loop, batches at 16-64 clients held 2-4 requests; benchmarks/grpc_encode.py). Loaded versions live in a per-replica cache
 (`@serve.multiplexed`); `production` is re-resolved every few seconds, so moving the alias swaps the
-model without a restart, and every response names the version that made its vectors. A replica given a GPU
+model without a restart, and every response names the version that made its vectors; while MLflow does not answer,
+the version last seen keeps serving (Registry's stale-on-error cache; the gauge clipstream_registry_stale_seconds says
+for how long). A replica given a GPU
 (settings.serve_encoder_gpus) loads every version onto it in half precision (settings.embed_precision), through the
 Ray-free model path of services/encoding.py; the vectors are unit float32 either way.
 """
@@ -29,9 +31,10 @@ import ray
 import torch
 from PIL import UnidentifiedImageError
 from ray import serve
+from ray.serve.metrics import Gauge
 
 from clipstream.models import keep_freed_memory, load_image
-from clipstream.registry import Registry, RegistryError
+from clipstream.registry import Registry, RegistryError, RegistryUnavailable
 from clipstream.services.client import API_KEY_HEADER
 from clipstream.services.encoding import ModelPath
 from clipstream.settings import configure_process
@@ -82,6 +85,8 @@ class Encoder:
         configure_process()  # a replica is a process of its own (on a RayService, not started by the CLI)
         self.search = search
         self.registry = Registry(settings, alias_ttl_s)
+        self._staleness = Gauge("clipstream_registry_stale_seconds", description="how long the Encoder has served "
+                                "the production version last seen because the model registry does not answer")
         torch.set_num_threads(max(1, int(settings.serve_encoder_cpus)))  # Ray pins 1 thread to a fractional reservation
         keep_freed_memory()  # every batch re-allocates what the last one freed
         # the GPU Ray gave this replica (settings.serve_encoder_gpus), if any: Ray's own record, since with none
@@ -196,8 +201,16 @@ class Encoder:
     def _version(self, ref: str) -> str:
         try:
             return self.registry.number(ref)
+        except RegistryUnavailable as exc:  # (never for a version already seen: see Registry.number)
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{exc}: retry shortly") from exc
         except RegistryError as exc:
             raise RequestError(grpc.StatusCode.NOT_FOUND, str(exc)) from exc
+        finally:
+            self._staleness.set(self.registry.staleness_s())
+
+    async def registry_staleness(self) -> float:
+        """Seconds this replica has served aliases as last seen because the registry does not answer (0: it does)."""
+        return self.registry.staleness_s()
 
     def _check_language(self, version: str, language: str) -> None:
         """Refuse text in a language `version` was never trained on (its tokenizer has no subwords learnt for it)."""

@@ -46,7 +46,9 @@ class ClusterSession:
         from clipstream.training.data.synth import synthesize
 
         try:
-            self.chart = Chart.render(small_node_values())
+            values = small_node_values()
+            values["settings"]["serve_replicas"] = 2  # (test_local_cluster kills one under load)
+            self.chart = Chart.render(values)
             self.cluster = LocalCluster(self.root / "cluster", pod_settings=self.chart.pod_env(), base_env=self.env)
             self.cluster.start()
             self.tasks = synthesize(self.cluster.shared / "data", tasks=2, seed=3, train_pairs=256, test_per_task=24,

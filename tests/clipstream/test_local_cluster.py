@@ -117,8 +117,53 @@ def test_the_charts_serve_config_serves_the_promoted_version_and_follows_the_ali
             assert {(h["task"], h["model_version"]) for h in hits} == {(tasks[0].name, "1"), (tasks[1].name, "2")}
             assert client.status()["consistent"]
         assert _replicas(cluster) == replicas  # the same replicas all along: no restart
+        _survives_a_registry_outage_and_a_killed_replica(cluster, tasks[0], f"127.0.0.1:{port}", key)
     finally:
         cluster.shutdown_serve()  # its CPUs go back to the training jobs of the next test
+
+
+def _survives_a_registry_outage_and_a_killed_replica(cluster, task, target: str, key: str) -> None:
+    """Clients under load (benchmarks/reliability.py `drive`; retries only from the shipped client's policy) see no
+    failed call while the MLflow server is down (the Encoder keeps the production version it has, and follows the
+    alias again once MLflow is back) nor when an Encoder replica is SIGKILLed (the proxies, started from the chart's
+    serve config by plain `ray start` nodes with no setup hook, answer its requests UNAVAILABLE: retried)."""
+    import signal
+
+    from clipstream.benchmarks.reliability import drive
+    from clipstream.services.client import Client
+    from clipstream.training.data.task import Task
+
+    rows = Task.load(task).check("test").rows
+    texts, images = [r["caption"] for r in rows], [(task / r["image"]).read_bytes() for r in rows]
+
+    def load(**events):
+        return drive(lambda: Client(target, api_key=key), texts, images, clients=4, **events)
+
+    cluster.stop_mlflow()
+    try:
+        outage = load(seconds=8.0)
+    finally:
+        cluster.start_mlflow()
+    assert outage["requests"] and not outage["failures"], outage["failures"][:5]
+    assert outage["versions"] == ["2"]
+    MlflowClient(cluster.mlflow_uri).set_registered_model_alias("clipstream", "production", "1")
+    with Client(target, api_key=key) as client:
+        deadline = time.monotonic() + 90  # (the alias checks back off while MLflow is down)
+        while client.encode_text(["a red cube"])[1] != "1":
+            assert time.monotonic() < deadline, "the Encoder did not follow the alias once MLflow was back"
+            time.sleep(0.5)
+
+    pids = [r["pid"] for r in cluster.serve_applications()["clipstream"]["deployments"]["Encoder"]["replicas"]
+            if r["state"] == "RUNNING"]
+    assert len(pids) == 2, pids  # (the session's chart: settings.serve_replicas 2, one may die)
+
+    def kill() -> str:
+        os.kill(pids[0], signal.SIGKILL)
+        return f"killed pid {pids[0]}"
+
+    killed = load(seconds=6.0, events=[(1.0, "kill an Encoder replica", kill)])
+    assert killed["events"][0][3].startswith("killed"), killed["events"]
+    assert killed["requests"] and not killed["failures"], killed["failures"][:5]
 
 
 def _replicas(cluster) -> dict:

@@ -83,3 +83,46 @@ def test_a_run_logs_through_its_id_and_registers_without_an_active_run(settings,
     assert registry.run_metrics(found.run_id)["known/AA"] == 40.0 and found.folder.is_dir()
     assert [a.path for a in registry.client.list_artifacts(found.run_id)] == ["model"]
     assert mlflow.active_run() is None
+
+
+def test_serving_lookups_keep_the_last_version_while_the_registry_does_not_answer(registry, settings, monkeypatch,
+                                                                                  caplog):
+    """An alias as the Encoder looks it up (alias_ttl_s): answered at once from what was last seen, checked again in
+    the background; while MLflow does not answer (here: a client of a port nothing listens on), the version last
+    seen is served, one warning per outage, checks back off; once it answers, a moved alias is followed."""
+    import logging
+
+    from mlflow import MlflowClient
+
+    from clipstream.registry import RegistryUnavailable
+    from clipstream.runtime import free_port
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # (a refused connection fails at once)
+    caplog.set_level(logging.WARNING, logger="clipstream.registry")
+    v1, v2 = _new_version(registry), _new_version(registry)
+    registry.set_alias("production", v1)
+    serving = Registry(settings, alias_ttl_s=0.1)
+    assert serving.number() == v1 and serving.staleness_s() == 0
+    answering, serving.client = serving.client, MlflowClient(f"http://127.0.0.1:{free_port()}")
+
+    deadline, calls, slowest = time.monotonic() + 10, 0, 0.0
+    while serving.stale_since is None or calls < 40:
+        tic = time.monotonic()
+        assert serving.number() == v1
+        slowest, calls = max(slowest, time.monotonic() - tic), calls + 1
+        assert time.monotonic() < deadline, "the lookups never found the registry down"
+        time.sleep(0.05)
+    assert slowest < 0.5  # no lookup waited on the registry
+    assert serving.staleness_s() > 0 and 1 <= serving._failed_checks < calls / 4  # backing off: not one per 0.1 s
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1 == len(caplog.records)
+    assert "does not answer" in caplog.records[0].message and f"version {v1}" in caplog.records[0].message
+    with pytest.raises(RegistryUnavailable, match="did not answer"):  # nothing seen yet: the caller hears why
+        serving.number("other-alias")
+
+    registry.set_alias("production", v2)
+    serving.client = answering
+    deadline = time.monotonic() + 15
+    while serving.number() != v2:
+        assert time.monotonic() < deadline, "the moved alias was not followed once the registry answered"
+        time.sleep(0.05)
+    assert serving.stale_since is None and "answers again" in caplog.records[-1].message

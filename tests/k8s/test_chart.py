@@ -157,6 +157,18 @@ def check_serve_wiring(docs: list[dict]) -> None:
     (app,) = config["applications"]
     assert app["import_path"] == "clipstream.services.app:app"
     assert app["name"] == consts["APP"] and app["route_prefix"] == f"/{consts['APP']}"
+    # the serving settings reach the application builder as args (applied in place), the same as the ConfigMap's
+    serving = {k.removeprefix("CLIPSTREAM_").lower(): v for k, v in settings_map(docs).items()
+               if k.startswith("CLIPSTREAM_SERVE_")}
+    assert serving and {k: str(v) for k, v in app["args"].items()} == serving
+    rc = one(docs, "RayService", f"{RELEASE}-serve")["spec"]["rayClusterConfig"]
+    scaled = {d["name"]: d for d in app.get("deployments", [])}
+    assert set(scaled) <= {"Encoder"} and rc.get("enableInTreeAutoscaling", False) == bool(scaled)
+    if scaled:  # Serve scales the Encoder from settings.serve_replicas; the autoscaler follows with pods
+        scaling = scaled["Encoder"]["autoscaling_config"]
+        assert scaled["Encoder"]["num_replicas"] == "auto" and rc["autoscalerOptions"]
+        assert scaling["min_replicas"] <= scaling["initial_replicas"] == int(serving["serve_replicas"]) <= \
+            scaling["max_replicas"]
 
     # R-grpc is KubeRay's serve Service (spec.serveService): KubeRay selects the pods of the one cluster that
     # serves (ray.io/cluster and ray.io/serve) and switches it at once during an upgrade. A Service of the chart's
@@ -689,6 +701,40 @@ def test_serve_workers_request_the_gpus_the_encoder_asks_for(asked, pod_gpus, mo
     check_settings(docs, monkeypatch, tmp_path)
 
 
+def test_default_replicas_are_fixed_and_prod_autoscales(renders):
+    app = serve_config(renders["default"])["applications"][0]
+    assert "deployments" not in app and app["args"]["serve_replicas"] == 1
+    rc = one(renders["default"], "RayService", f"{RELEASE}-serve")["spec"]["rayClusterConfig"]
+    assert "enableInTreeAutoscaling" not in rc and "autoscalerOptions" not in rc
+    (encoder,) = serve_config(renders["prod"])["applications"][0]["deployments"]
+    assert encoder == {"name": "Encoder", "num_replicas": "auto", "autoscaling_config": {
+        "min_replicas": 2, "max_replicas": 8, "initial_replicas": 4, "target_ongoing_requests": 32}}
+    rc = one(renders["prod"], "RayService", f"{RELEASE}-serve")["spec"]["rayClusterConfig"]
+    assert rc["enableInTreeAutoscaling"] is True and rc["autoscalerOptions"]["idleTimeoutSeconds"] == 60
+    _head, (worker,) = ray_groups(renders["prod"])
+    assert (worker["minReplicas"], worker["maxReplicas"]) == (2, 8)  # the pods' bounds: one GPU replica each
+
+
+def test_a_serving_setting_changes_only_the_serve_config_and_others_roll_the_pods():
+    """KubeRay applies a changed serveConfigV2 to the running cluster; any other change of the RayService (a pod
+    annotation included) makes it a new cluster. A serving setting (settings.serve_*) changes only the former."""
+    def rayservice(*args):
+        return one(objects(helm_template(*args)), "RayService", f"{RELEASE}-serve")["spec"]
+
+    before = rayservice()
+    after = rayservice("--set", "settings.serve_batch_size=64", "--set", "settings.serve_model_cache=5")
+    assert yaml.safe_load(after.pop("serveConfigV2"))["applications"][0]["args"]["serve_batch_size"] == 64
+    assert yaml.safe_load(before.pop("serveConfigV2"))["applications"][0]["args"]["serve_batch_size"] == 32
+    assert after == before
+    # a setting the pods read from the ConfigMap when they start (here the registered model's name) rolls them
+    rolled = rayservice("--set", "settings.stream=other")
+    assert rolled["rayClusterConfig"] != before["rayClusterConfig"]
+    for spec in (rolled, before):
+        spec["rayClusterConfig"]["headGroupSpec"]["template"]["metadata"]["annotations"].pop("checksum/settings")
+        spec["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["metadata"]["annotations"].pop("checksum/settings")
+    assert rolled["rayClusterConfig"] == before["rayClusterConfig"]
+
+
 def test_values_schema_rejects_wrong_values():
     assert "serve/replicas" in helm_fails("--set", "serve.replicas=abc")
     assert "additional properties" in helm_fails("--set", "serve.replica=2")
@@ -706,6 +752,8 @@ def test_inconsistent_values_fail():
     assert "objectStore" in helm_fails("--set", "mlflow.replicas=2")
     assert "ingress.host" in helm_fails("--set", "ingress.enabled=true")
     assert "runs.existingClaim" in helm_fails("--set", "runs.uri=s3://b/runs", "--set", "runs.existingClaim=mine")
+    assert "serve.autoscaling.minReplicas" in helm_fails("--set", "serve.autoscaling.enabled=true",
+                                                         "--set", "settings.serve_replicas=2")
 
 
 def test_values_schema_knows_every_setting_the_chart_does_not_set_itself():

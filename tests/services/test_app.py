@@ -23,6 +23,22 @@ def test_the_import_path_builds_the_app_from_the_environment(settings, monkeypat
     assert build_from_config(import_attr(IMPORT_PATH), {"serve_replicas": 2})._bound_deployment.num_replicas == 2
 
 
+def test_the_charts_args_override_the_pods_settings(settings, monkeypatch):
+    """A RayService's serveConfigV2 carries the serving settings as args: they win over the ConfigMap's variables
+    the pods started with (an older release's), so a changed setting needs no new pods."""
+    from clipstream.local_cluster import Chart
+
+    chart = Chart.render({"settings": {"serve_batch_size": 8, "serve_replicas": 2, "serve_encoder_cpus": 0.25,
+                                       "serve_encoder_gpus": 0, "serve_model_cache": 2}})
+    (config,) = chart.serve_config["applications"]
+    monkeypatch.setenv("CLIPSTREAM_SERVE_BATCH_SIZE", "32")  # what the pods' environment still says
+    monkeypatch.setenv("CLIPSTREAM_SERVE_REPLICAS", "1")
+    encoder = build_from_config(import_attr(config["import_path"]), config["args"])._bound_deployment
+    (built,) = [a for a in encoder.init_args if hasattr(a, "serve_batch_size")]
+    assert (built.serve_batch_size, built.serve_model_cache, built.serve_encoder_cpus) == (8, 2, 0.25)
+    assert (encoder.num_replicas, encoder.ray_actor_options) == (2, {"num_cpus": 0.25, "num_gpus": 0.0})
+
+
 def test_unknown_args_are_refused(settings):
     with pytest.raises(ValidationError, match="serve_replica"):
         build_from_config(import_attr(IMPORT_PATH), {"serve_replica": 2})
@@ -57,11 +73,35 @@ def test_the_setup_hook_patches_only_when_serve_is_imported():
     import sys
 
     code = ("import sys; from clipstream.services import binding; binding.install(); "
-            "print('ray.serve' in sys.modules); from ray.serve._private import default_impl, proxy; "
-            "print(getattr(default_impl.add_grpc_address, 'clipstream', False), "
-            "getattr(proxy.get_grpc_response_status, 'clipstream', False))")
+            "print('ray.serve' in sys.modules); from ray.serve._private import default_impl; "
+            "print(getattr(default_impl.add_grpc_address, 'clipstream', False))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["False", "True", "True"]
+    assert out == ["False", "True"]
+
+
+def test_the_first_servicer_function_makes_a_dead_replica_retryable():
+    """What Serve's proxy does with GRPC_SERVICERS (grpc_util.start_grpc_server), on a real gRPC server: the first
+    function patches the proxy's status of a dead replica's request and the handlers the later services get."""
+    from unittest.mock import Mock  # (the servicer Serve passes: its methods are replaced by the proxy's)
+
+    import grpc
+    from ray._common.utils import import_attr
+    from ray.exceptions import RayActorError
+    from ray.serve._private import proxy
+    from ray.serve._private.grpc_util import gRPCGenericServer
+
+    from clipstream.services.app import GRPC_SERVICERS
+
+    made = []
+    server = gRPCGenericServer(lambda service_method, streaming_type: made.append(service_method) or service_method)
+    first, encoder = (import_attr(path) for path in GRPC_SERVICERS[:2])
+    first(Mock(), server)
+    encoder(Mock(), server)
+    assert made and all(m.startswith("/clipstream.v1.Encoder/") for m in made)
+    unary = server.generic_rpc_handlers[0][0]._method_handlers["/clipstream.v1.Encoder/EncodeText"].unary_unary
+    assert unary.__qualname__.startswith("_aborting.")  # ours: aborts (trailers-only), which the client retries
+    status = proxy.get_grpc_response_status(RayActorError(), 10.0, "request-id")
+    assert status.code == grpc.StatusCode.UNAVAILABLE and status.is_error
 
 
 def test_the_message_caps_match_the_clients_request_limit():

@@ -243,15 +243,49 @@ clipstream.io/qdrant-client: "true"
 clipstream.io/mlflow-client: "true"
 {{- end }}
 
-{{/* The serveConfigV2 of the RayService (a YAML document, see ray.serve.schema.ServeDeploySchema). */}}
+{{/*
+The serveConfigV2 of the RayService (a YAML document, see ray.serve.schema.ServeDeploySchema). The serving
+settings (settings.serve_*) go to the application builder as `args` (services/app.py `app`), which KubeRay applies
+to the running cluster in place; with serve.autoscaling, Serve scales the Encoder between its bounds.
+*/}}
 {{- define "clipstream.serveConfig" -}}
 {{- $grpc := dict "port" (int .Values.settings.grpc_port) "enable_reflection" true "grpc_servicer_functions" (list
+  "clipstream.services.binding.retry_dead_replicas"
   "clipstream.v1.encoder_pb2_grpc.add_EncoderServicer_to_server"
   "clipstream.v1.search_pb2_grpc.add_SearchServicer_to_server"
   "clipstream.v1.admin_pb2_grpc.add_AdminServicer_to_server"
   "clipstream.services.health.add_health_service") }}
-{{- $app := dict "name" "clipstream" "import_path" "clipstream.services.app:app" "route_prefix" "/clipstream" }}
+{{- $args := dict }}
+{{- range $field, $value := .Values.settings }}
+{{- if hasPrefix "serve_" $field }}
+{{- $_ := set $args $field $value }}
+{{- end }}
+{{- end }}
+{{- $app := dict "name" "clipstream" "import_path" "clipstream.services.app:app" "route_prefix" "/clipstream"
+  "args" $args }}
+{{- with .Values.serve.autoscaling }}
+{{- if .enabled }}
+{{- $scaling := dict "min_replicas" (int .minReplicas) "max_replicas" (int .maxReplicas)
+  "initial_replicas" (int $.Values.settings.serve_replicas) "target_ongoing_requests" .targetOngoingRequests }}
+{{- $_ := set $app "deployments" (list (dict "name" "Encoder" "num_replicas" "auto" "autoscaling_config" $scaling)) }}
+{{- end }}
+{{- end }}
 {{- toYaml (dict "proxy_location" "EveryNode" "grpc_options" $grpc "applications" (list $app)) }}
+{{- end }}
+
+{{/*
+The checksum that rolls the Ray pods when the settings they read at start change: ConfigMap R-settings less the
+serving settings, which reach the replicas as serveConfigV2 `args` (applied in place, no new pods).
+*/}}
+{{- define "clipstream.podSettingsChecksum" -}}
+{{- $data := (include (print .Template.BasePath "/configmap.yaml") . | fromYaml).data }}
+{{- $pod := dict }}
+{{- range $key, $value := $data }}
+{{- if not (hasPrefix "CLIPSTREAM_SERVE_" $key) }}
+{{- $_ := set $pod $key $value }}
+{{- end }}
+{{- end }}
+{{- toJson $pod | sha256sum }}
 {{- end }}
 
 {{/* Checks of value combinations the schema cannot express. */}}
@@ -261,6 +295,11 @@ clipstream.io/mlflow-client: "true"
 {{- end }}
 {{- if or (lt (int .Values.serve.replicas) (int .Values.serve.minReplicas)) (gt (int .Values.serve.replicas) (int .Values.serve.maxReplicas)) }}
 {{- fail "serve.replicas must lie between serve.minReplicas and serve.maxReplicas" }}
+{{- end }}
+{{- with .Values.serve.autoscaling }}
+{{- if and .enabled (or (lt (int $.Values.settings.serve_replicas) (int .minReplicas)) (gt (int $.Values.settings.serve_replicas) (int .maxReplicas))) }}
+{{- fail "settings.serve_replicas (the Encoder replicas autoscaling starts from) must lie between serve.autoscaling.minReplicas and serve.autoscaling.maxReplicas" }}
+{{- end }}
 {{- end }}
 {{- if and .Values.ingress.enabled (not .Values.ingress.host) }}
 {{- fail "ingress.host is required when ingress.enabled is true" }}
