@@ -373,7 +373,7 @@ def stream(tasks: Sequence[str], method: str, release: Release, resources: Resou
                           deadline_s=int(wait_parent_s) * (k > 1) + 24 * 3600)
         manifest["metadata"]["labels"].update({"clipstream.io/stream": name, "clipstream.io/step": str(k)})
         if k > 1:
-            manifest["metadata"]["annotations"] = {"clipstream.io/parent": previous}
+            manifest["metadata"].setdefault("annotations", {})["clipstream.io/parent"] = previous
             manifest["spec"]["suspend"] = True
         jobs.append(manifest)
     return jobs

@@ -21,7 +21,7 @@ FOLDERS = {"clipstream": "clipstream", "training": "clipstream.training", "servi
 GROUND = {"clipstream", "clipstream.console", "clipstream.settings", "clipstream.registry", "clipstream.index", "clipstream.models",
           "clipstream.mlflow_model", "clipstream.runtime", "clipstream.v1"}
 TOP = {"clipstream.cli", "clipstream.indexing", "clipstream.promotion", "clipstream.benchmarks", "clipstream.k8s",
-       "clipstream.local_cluster"}
+       "clipstream.controller", "clipstream.local_cluster"}
 MAY_IMPORT = {"ground": {"ground"}, "training": {"ground", "training"}, "services": {"ground", "services"},
               "top": {"ground", "training", "services", "top"}}
 

@@ -129,7 +129,9 @@ def test_env_labels_and_annotations_reach_the_rayjob_and_its_pods(capsys):
         submitter = rayjob["spec"]["submitterPodTemplate"]
         for meta in [rayjob["metadata"]] + [p["metadata"] for p in pods(rayjob) + [submitter]]:
             assert {"kueue.x-k8s.io/queue-name": "gpu", "team": "ml"}.items() <= meta["labels"].items()
-            assert meta["annotations"] == {"example.com/owner": "ml team <ml@example.com>"}
+            assert meta["annotations"] == {"example.com/owner": "ml team <ml@example.com>",
+                                           **({"clipstream.io/parent": "@s-1"} if meta is rayjob["metadata"]
+                                              and rayjob["spec"].get("suspend") else {})}
         assert rayjob["metadata"]["labels"]["clipstream.io/step"] in ("1", "2")  # the stream's labels stay
         for pod in pods(rayjob):
             env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
