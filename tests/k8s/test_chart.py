@@ -402,7 +402,8 @@ def check_selectors(docs: list[dict]) -> None:
         name = np["metadata"]["name"]
         selector = np["spec"]["podSelector"]["matchLabels"]
         assert selector and any(matches(selector, lab) for lab in labels), f"NetworkPolicy {name} selects no pod"
-        assert np["spec"]["ingress"], f"NetworkPolicy {name} admits nothing"
+        # (the helm test pod's admits nothing on purpose: nothing calls it)
+        assert np["spec"]["ingress"] or name == f"{RELEASE}-test", f"NetworkPolicy {name} admits nothing"
         for rule in np["spec"]["ingress"]:
             for peer in rule["from"]:
                 if "namespaceSelector" in peer or "podSelector" not in peer:
@@ -713,6 +714,16 @@ def test_default_replicas_are_fixed_and_prod_autoscales(renders):
     assert rc["enableInTreeAutoscaling"] is True and rc["autoscalerOptions"]["idleTimeoutSeconds"] == 60
     _head, (worker,) = ray_groups(renders["prod"])
     assert (worker["minReplicas"], worker["maxReplicas"]) == (2, 8)  # the pods' bounds: one GPU replica each
+
+
+def test_no_pod_mounts_a_service_account_token_but_the_head_of_an_autoscaled_rayservice(renders):
+    """No clipstream container calls the Kubernetes API; KubeRay's autoscaler (a container of the RayService's head
+    when autoscaling is on) does, with the head's ServiceAccount, which KubeRay binds to its Role."""
+    for config, docs in renders.items():
+        autoscaled = config == "prod"
+        mounted = [where for where, _meta, spec in pod_templates(docs) if spec.get("automountServiceAccountToken")]
+        assert mounted == ([f"RayService/{RELEASE}-serve[head]"] if autoscaled else []), config
+        assert all("automountServiceAccountToken" in spec for _where, _meta, spec in pod_templates(docs)), config
 
 
 def test_a_serving_setting_changes_only_the_serve_config_and_others_roll_the_pods():
