@@ -143,7 +143,9 @@ def test_push_builds_with_buildx_pushes_and_records_the_digest(tmp_path):
                                                                                      "VARIANT=cpu"]
     assert value["--metadata-file"] == str(tmp_path / "images/cpu.metadata.json") and command[-1] == str(REPO)
     assert "cpu.digest" in out.stdout and "cpu.values.yaml" in out.stdout and not (tmp_path / "images").exists()
-    make = subprocess.run(["make", "-n", "push-images"], capture_output=True, text=True, cwd=REPO, check=True).stdout
+    # (run under `make test-all`, a make of its own would print "Entering directory" lines)
+    make = subprocess.run(["make", "-n", "--no-print-directory", "push-images"], capture_output=True, text=True,
+                          cwd=REPO, check=True).stdout
     assert [line.split()[-1] for line in make.splitlines()] == ["gpu", "cpu"]
 
 
