@@ -395,14 +395,15 @@ def http_get(url: str, headers: dict | None = None) -> bytes | None:
 
 
 def rayjobs(*args: str, overrides=(), env: dict | None = None, cwd: Path | None = None) -> list[dict]:
-    """What `clipstream k8s ARGS --gpus-per-worker 0 --set ...` prints (CPU workers), as a user pipes it to kubectl.
-    `cwd`: where it runs (a thread must not rely on the process's working directory, which others may change)."""
+    """The RayJobs `clipstream k8s ARGS --gpus-per-worker 0 --set ...` prints (CPU workers), as a user pipes them to
+    kubectl. `cwd`: where it runs (a thread must not rely on the process's working directory, which others may change)."""
     command = [tool("clipstream"), "k8s", *args, "--gpus-per-worker", "0"]
     done = subprocess.run(command + [a for item in overrides for a in ("--set", item)], capture_output=True, text=True,
                           env=env, cwd=cwd, check=False)
     if done.returncode:
         raise RuntimeError(f"`{' '.join(done.args)}` exited {done.returncode}: {done.stderr[-2000:]}")
-    return list(yaml.safe_load_all(done.stdout))
+    # (the RayJobs; the training pods' NetworkPolicy printed with them has no meaning here)
+    return [d for d in yaml.safe_load_all(done.stdout) if d["kind"] == "RayJob"]
 
 
 def demo(out: Path, method: str = "finetune", tasks: int = 2, seed: int = 0, overrides=(), zero_shot=()) -> None:
