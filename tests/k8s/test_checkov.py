@@ -1,6 +1,6 @@
 """The real checkov (`make setup` installs it in a venv of its own) over every render: the chart with its default,
 dev and prod values, both kustomize overlays, and what `clipstream k8s job|stream` print. No finding but the checks
-k8s/.checkov.yaml skips, each with its reason; the RayJobs are also held to those marked "chart: pending".
+k8s/.checkov.yaml skips, each with its reason.
 
 checkov reads the built-in kinds only: the Pods that KubeRay makes from the RayService's and the RayJobs' pod
 templates are given to it as Pods (`as_pods`)."""
@@ -69,7 +69,7 @@ def printed(argv: list[str]) -> str:
 
 @pytest.fixture(scope="module")
 def findings(tmp_path_factory) -> dict[str, set[tuple[str, str]]]:
-    """render -> {(check, resource)} that checkov finds, skipping only the checks not marked "chart: pending"."""
+    """render -> {(check, resource)} that checkov finds, but for the checks k8s/.checkov.yaml skips."""
     renders = {"chart-default": helm_template(), "chart-dev": helm_template("-f", "charts/clipstream/ci/dev-values.yaml"),
                "chart-prod": helm_template("-f", "charts/clipstream/ci/prod-values.yaml"),
                **{f"kustomize-{o}": run("kubectl", "kustomize", f"k8s/overlays/{o}") for o in ("dev", "prod")},
@@ -78,9 +78,8 @@ def findings(tmp_path_factory) -> dict[str, set[tuple[str, str]]]:
     for name, text in renders.items():
         docs = objects(text)
         (folder / f"{name}.yaml").write_text(yaml.safe_dump_all(docs + as_pods(docs), sort_keys=False))
-    skipped = [check for check, reason in skips().items() if not reason.startswith("chart: pending")]
-    out = subprocess.run([str(CHECKOV), "--config-file", str(CONFIG), "--skip-check", ",".join(skipped), "-d",
-                          str(folder), "-o", "json"], capture_output=True, text=True, cwd=folder,
+    out = subprocess.run([str(CHECKOV), "--config-file", str(CONFIG), "-d", str(folder), "-o", "json"],
+                         capture_output=True, text=True, cwd=folder,
                          env={"PATH": "/usr/bin:/bin", "HOME": str(folder), "BC_SKIP_MAPPING": "TRUE"}, timeout=300)
     assert out.returncode in (0, 1), f"checkov failed ({out.returncode}): {out.stderr[-2000:]}"
     reports = json.loads(out.stdout)
@@ -101,13 +100,7 @@ def test_every_skipped_check_says_why():
     assert all(len(reason) > 40 for reason in listed.values()), listed
 
 
-def test_the_rayjobs_have_no_finding(findings):
-    for name in JOBS:
-        assert not findings[name], f"checkov on `clipstream k8s {JOBS[name][0]}`: {sorted(findings[name])}"
-
-
-def test_the_chart_and_overlays_have_no_finding_but_those_pending(findings):
-    pending = {check for check, reason in skips().items() if reason.startswith("chart: pending")}
+def test_no_render_has_a_finding(findings):
     for name, found in findings.items():
-        unexpected = sorted(f for f in found if f[0] not in pending)
-        assert not unexpected, f"checkov on {name}: {unexpected} (fix it, or skip it in k8s/.checkov.yaml with why)"
+        what = f"`clipstream k8s {JOBS[name][0]}`" if name in JOBS else name
+        assert not found, f"checkov on {what}: {sorted(found)} (fix it, or skip it in k8s/.checkov.yaml with why)"
