@@ -276,7 +276,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
         "",
         f"Reproduce: `clipstream bench method-step --methods {args.methods} --steps {args.steps} "
         f"--rounds {args.rounds} --batch {args.batch} --threads {args.threads}"
-        + (f" --arch {args.arch}" if args.arch else "")
+        + (f" --arch {args.arch}" if args.arch else "") + (f" --profile {args.profile}" if args.profile else "")
         + (f" --extra-arch {args.extra_arch} --extra-batch {args.extra_batch} --extra-steps {args.extra_steps} "
            f"--extra-methods {args.extra_methods}" if extra else "") + "`",
         "",
