@@ -270,7 +270,21 @@ def on_gloo(worker, world: int = 2, timeout_s: float = 600) -> dict:
     for p in procs:
         p.start()
     try:
-        results = dict(queue.get(timeout=timeout_s) for _ in procs)
+        import queue as queues
+        import time
+
+        results, deadline = {}, time.monotonic() + timeout_s
+        while len(results) < world:
+            try:
+                rank, value = queue.get(timeout=1.0)
+                results[rank] = value
+                continue
+            except queues.Empty:
+                pass
+            # a worker that raised exits without an answer (its traceback is on stderr): fail now, not at the timeout
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not dead, f"a gloo worker exited with {dead[0]} before answering (its traceback is above)"
+            assert time.monotonic() < deadline, f"the gloo workers did not answer in {timeout_s:g} s"
         for p in procs:
             p.join(timeout=60)
             assert p.exitcode == 0

@@ -9,6 +9,7 @@ are reported to Ray Train each epoch, so a restarted worker group resumes from t
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -157,6 +158,7 @@ def train_loop(config: dict) -> None:
     steps_per_epoch = config["steps_per_epoch"]
     total = steps_per_epoch * train["epochs"] // train["grad_accum"]
     groups = param_groups(model, train["weight_decay"], train["lr"], method.lr_scale)
+    frozen_fp32 = frozen_weights(model) if rank == 0 and train["precision"] != "fp32" else {}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=deepspeed_config(train, world, total))
     teacher = None
     if method.needs_teacher and config.get("teacher_source"):  # θ(t-1) as registered (or pinned): also after a resume
@@ -206,7 +208,7 @@ def train_loop(config: dict) -> None:
         if last:
             method.after_task(task_ctx, list(kept))
             engine.empty_partition_cache()  # ZeRO-3: what a forward outside `engine.backward` left gathered (EWC's)
-        _report_epoch(engine, method, bundle, epoch, task_ctx.step, rank,
+        _report_epoch(engine, method, bundle, frozen_fp32, epoch, task_ctx.step, rank,
                       {"epoch": epoch, "step": task_ctx.step, "loss": float(loss.detach()), "start_epoch": start_epoch,
                        "samples_per_s": rate, "step_ms": 1000 * busy / max(steps, 1),
                        # a job's first step also creates AdamW's state and the allocator's pools: a fixed cost per
@@ -214,19 +216,74 @@ def train_loop(config: dict) -> None:
                        "first_step_ms": 1000 * first})
 
 
-def _report_epoch(engine, method, bundle, epoch: int, step: int, rank: int, metrics: dict) -> None:
+def _report_epoch(engine, method, bundle, frozen_fp32: dict, epoch: int, step: int, rank: int, metrics: dict) -> None:
     """Every rank saves its DeepSpeed shard; rank 0 adds the method state, position and an open_clip export."""
     import ray.train
 
     with tempfile.TemporaryDirectory() as folder:
         engine.save_checkpoint(folder, tag=CKPT_TAG)
-        with gathered(engine.module.parameters()):  # the export holds whole weights, in the engine's dtype
-            if rank == 0:
-                (Path(folder) / STATE_FILE).write_text(json.dumps({"epoch": epoch, "step": step}))
-                save_state(method.state_dict(), Path(folder) / METHOD_STATE_FILE)
-                bundle.model = method.export_model(engine.module)
-                models.export(bundle, Path(folder) / EXPORT_DIR)
+        if rank == 0:
+            (Path(folder) / STATE_FILE).write_text(json.dumps({"epoch": epoch, "step": step}))
+            save_state(method.state_dict(), Path(folder) / METHOD_STATE_FILE)
+        export(engine, method, bundle, Path(folder) / EXPORT_DIR, rank, frozen_fp32)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
+
+
+def frozen_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """fp32 copies of the parameters that do not train, taken before a bf16/fp16 engine casts the module: the
+    optimizer keeps fp32 masters of the trained ones only, and an export must not round the others."""
+    return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters() if not p.requires_grad}
+
+
+def export(engine, method, bundle, folder: Path, rank: int, frozen_fp32: dict | None = None) -> None:
+    """The version's open_clip export, written by rank 0 (a collective: every rank enters): whole weights, gathered
+    under ZeRO-3, and fp32 whatever the engine computes in. Under bf16/fp16 they are the optimizer's fp32 master
+    weights, not the engine's rounded copies: the next task starts from this export, and rounding it at every task
+    would drop each task's updates below bf16's resolution. `frozen_fp32`: `frozen_weights` of the module (rank 0)."""
+    with gathered(engine.module.parameters()), _master_weights(engine, rank, frozen_fp32 or {}):
+        if rank == 0:
+            bundle.model = method.export_model(engine.module)
+            models.export(bundle, folder)
+
+
+@contextlib.contextmanager
+def _master_weights(engine, rank: int, frozen_fp32: dict):
+    """On rank 0, the engine's module (whole: gathered) holding fp32 values while inside: the trained parameters'
+    master copies, the frozen ones' `frozen_fp32`, the floating buffers upcast; the engine's own tensors are put back on
+    the way out. The masters: DeepSpeed's `safe_get_full_fp32_param` under ZeRO (a collective, so every rank asks for
+    each in turn); without ZeRO, bf16 and fp16 engines step DeepSpeed's FP16 optimizers, whose fp32 groups that
+    function does not reach, so they are read from them."""
+    module = engine.module
+    named = list(module.named_parameters())
+    if all(p.dtype == torch.float32 for _, p in named):
+        yield
+        return
+    from deepspeed.utils import safe_get_full_fp32_param
+    from torch._utils import _unflatten_dense_tensors
+
+    optimizer, flat = engine.optimizer, {}
+    fp16_groups = getattr(optimizer, "fp16_groups", []) if not engine.zero_optimization() else []
+    for i, low in enumerate(fp16_groups):  # (FP16_Optimizer holds flat groups, FP16_UnfusedOptimizer lists)
+        fp32 = optimizer.fp32_groups_flat[i] if hasattr(optimizer, "fp32_groups_flat") else optimizer.fp32_groups[i]
+        flat.update(zip(map(id, low), _unflatten_dense_tensors(fp32, low) if torch.is_tensor(fp32) else fp32))
+    masters = [(flat.get(id(p)) if id(p) in flat else safe_get_full_fp32_param(p)) if p.requires_grad
+               else frozen_fp32.get(n) for n, p in named]
+    swapped = []
+    try:
+        if rank == 0:
+            for (name, p), master in zip(named, masters):
+                if master is None:
+                    raise RuntimeError(f"no fp32 master weight of {name} to export ({type(engine.optimizer).__name__})")
+                swapped.append((p, p.data))
+                p.data = master.to(p.device, torch.float32).reshape(p.shape)
+            for b in module.buffers():
+                if b.is_floating_point() and b.dtype != torch.float32:
+                    swapped.append((b, b.data))
+                    b.data = b.data.float()
+        yield
+    finally:
+        for t, data in reversed(swapped):
+            t.data = data
 
 
 class _MetricLogger:

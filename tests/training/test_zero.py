@@ -1,9 +1,12 @@
-"""ZeRO 0, 2 and 3 train the same: on 2 CPU workers (Ray Train + DeepSpeed on gloo, the job's own `prepare` and
-`fit`, hence `engine.train_loop`), each method's per-step losses agree across stages over the same deterministic
-steps, and so do the exported weights and the method state the task leaves.
+"""ZeRO 0, 2 and 3 train the same on 2 CPU workers (DeepSpeed on gloo): each method's per-step losses and terms
+agree across stages over the same deterministic steps, and so do the exported weights and the method state the
+task leaves. The job's own path (Ray Train workers, `prepare` and `fit`, hence `engine.train_loop`) is trained at
+the three stages with finetune; every method's hooks (EWC, LwF, CTP, C-CLIP; MAS and Mod-X in the quick tier) on
+the engine a worker builds, in 2 processes of one gloo group, which is the same DeepSpeed maths without Ray's
+start-up per run.
 
-The methods that look back (EWC, LwF, CTP) train a second task on top of a registered parent, so their terms are
-non-zero: the parent is the teacher, and EWC's importances come with it in its method state.
+The methods that look back train a second task on top of a parent, so their terms are non-zero: the parent is the
+teacher, and EWC's importances come with it in its method state.
 
 Tolerance: relative 1e-4 on losses and 1e-3 (absolute) on weights. The stages compute the same fp32 maths; what
 differs is how gradients are reduced (all-reduce at 0, reduce-scatter into partitions at 2 and 3) and so the order
@@ -16,6 +19,7 @@ can move a weight). A stage whose gathering or export were wrong moves losses at
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,112 +29,204 @@ from clipstream import models
 from clipstream.registry import Registry
 from clipstream.training.engine import prepare_for_deepspeed
 from clipstream.training.job import fit, prepare
-from clipstream.training.methods.state import load_state
-from tests.conftest import DETERMINISTIC, register_version
+from tests.conftest import DETERMINISTIC
 
 RTOL_LOSS, ATOL_WEIGHT = 1e-4, 1e-3
 # 1 epoch (2 workers x 16 pairs a step), the rate at its peak from the second step
 OVERRIDES = [*DETERMINISTIC, "train.epochs=1", "train.log_every=1", "train.warmup_steps=1"]
-TERMS = {"finetune": [], "ewc": ["penalty"], "lwf": ["distill"], "ctp": ["cmc", "topology_c", "topology_s"],
-         "cclip": ["ckc"]}
+# each method's own terms, which must be felt (non-zero) for the comparison to count
+TERMS = {"ewc": ["penalty"], "lwf": ["distill"], "ctp": ["cmc", "topology_c", "topology_s"], "cclip": ["ckc"]}
 
 
-def _parent(settings, stream, method: str) -> str:
-    """Version 1 of the stream, as the second task's parent; EWC's with importances (one value per weight, so the
-    pull is felt everywhere) in its method state."""
-    model = settings.home / "parent"
-    models.export(models.create("clipstream-vit-tiny"), model)
-    state = {}
-    if method == "ewc":
-        named = prepare_for_deepspeed(models.load_exported(model).model).named_parameters()
-        state = {"ewc": {"importance": {n: torch.full_like(p, 0.01) for n, p in named}, "tasks": 1}}
-    return register_version(settings, seed=1, task_dirs=[stream[0]], model=model, state=state)
-
-
-def train(settings, stream, method: str, stage: int, parent: str | None) -> dict:
-    """One job's training at ZeRO `stage`: its logged losses by term, exported weights and method state."""
+def train(settings, stream, stage: int) -> dict:
+    """One finetune job's training at ZeRO `stage`: its logged losses and exported weights."""
     registry = Registry(settings)
-    # C-CLIP's adapter dropout draws its masks from torch's generator whenever a weight is read, which ZeRO-3's
-    # gathering does a different number of times: a different draw, not different maths, so it is off here
-    extra = ["method.cclip.dropout=0.0"] if method == "cclip" else []
-    plan = prepare(registry, stream[1] if parent else stream[0], method, parent, workers=2,
-                   overrides=[*OVERRIDES, f"train.zero_stage={stage}", *extra])
+    plan = prepare(registry, stream[0], "finetune", None, workers=2, overrides=[*OVERRIDES, f"train.zero_stage={stage}"])
     try:
-        with registry.run(f"{method}-zero{stage}", plan.tags) as run_id:
+        with registry.run(f"finetune-zero{stage}", plan.tags) as run_id:
             run = registry.log(run_id)
             trained = fit(plan, settings, run)
-            losses = {key: [m.value for m in sorted(run.metric_history(key), key=lambda m: m.step)]
-                      for key in ["loss", *(f"loss/{t}" for t in TERMS[method])]}
-        return {"losses": losses, "weights": load_file(trained / models.WEIGHTS_FILE), "state": load_state(trained)}
+            losses = [m.value for m in sorted(run.metric_history("loss"), key=lambda m: m.step)]
+        return {"losses": losses, "weights": load_file(trained / models.WEIGHTS_FILE)}
     finally:
         shutil.rmtree(plan.workdir, ignore_errors=True)
 
 
-def assert_same_training(a: dict, b: dict) -> None:
-    for key, values in a["losses"].items():
-        assert len(values) == len(b["losses"][key]) >= 3, key
-        assert values == pytest.approx(b["losses"][key], rel=RTOL_LOSS, abs=1e-6), key
-    assert a["weights"].keys() == b["weights"].keys()
-    for name, weight in a["weights"].items():
-        other = b["weights"][name]
-        assert weight.dtype == other.dtype == torch.float32 and weight.shape == other.shape, name  # whole, fp32
-        assert torch.allclose(weight, other, atol=ATOL_WEIGHT, rtol=0), name
+def weights_apart(a: dict, b: dict) -> list[str]:
+    """The names of the exported weights that are not whole fp32 tensors equal within ATOL_WEIGHT in both."""
+    assert a.keys() == b.keys()
+    return [n for n, w in a.items() if not (w.dtype == b[n].dtype == torch.float32 and w.shape == b[n].shape
+                                            and torch.allclose(w, b[n], atol=ATOL_WEIGHT, rtol=0))]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["finetune", "ewc", "lwf", "ctp", "cclip"])
-def test_every_method_trains_the_same_at_zero_0_2_and_3(ray_cluster, settings, stream, method):
-    parent = _parent(settings, stream, method) if method in ("ewc", "lwf", "ctp") else None
-    runs = {stage: train(settings, stream, method, stage, parent) for stage in (0, 2, 3)}
-    for term in TERMS[method]:  # each method's own terms count in what is compared
-        assert max(abs(v) for v in runs[0]["losses"][f"loss/{term}"]) > 1e-6, term
+def test_a_job_trains_the_same_at_zero_0_2_and_3(ray_cluster, settings, stream):
+    runs = {stage: train(settings, stream, stage) for stage in (0, 2, 3)}
     for stage in (2, 3):
-        assert_same_training(runs[0], runs[stage])
-    if method == "ewc":  # the importances measured at task end, under ZeRO-3 from gathered gradients
-        for name, omega in runs[0]["state"]["ewc"]["importance"].items():
-            assert torch.allclose(omega, runs[3]["state"]["ewc"]["importance"][name], rtol=1e-3, atol=1e-9), name
-    if method == "ctp":  # the momentum model, updated from the live weights every step
-        for name, value in runs[0]["state"]["ctp"]["momentum"].items():
-            assert torch.allclose(value, runs[3]["state"]["ctp"]["momentum"][name], atol=ATOL_WEIGHT), name
+        assert len(runs[0]["losses"]) == len(runs[stage]["losses"]) >= 3
+        assert runs[stage]["losses"] == pytest.approx(runs[0]["losses"], rel=RTOL_LOSS, abs=1e-6), stage
+        assert weights_apart(runs[0]["weights"], runs[stage]["weights"]) == [], stage
 
 
-def _bf16_ctp_steps(rank: int, world: int) -> dict:
-    """A few of the engine's steps of CTP in bf16 at ZeRO-3 on CPU (gloo), and the dtypes it kept."""
+def _methods_at_stages(rank: int, world: int) -> dict:
+    """EWC, LwF, CTP and C-CLIP on their second task at ZeRO 0, 2 and 3: 4 of the engine's steps, the task's end
+    (EWC measures its importances), the export. Compared here against ZeRO 0 (tensors do not cross processes): the
+    names of the weights and method-state tensors that moved apart; the losses and terms go back as numbers."""
     import os
+    import tempfile
 
-    import deepspeed
-
-    from clipstream.training import methods
-    from clipstream.training.engine import deepspeed_config, param_groups, train_step
+    from clipstream.training.engine import export, train_step
     from clipstream.training.methods.base import TaskContext
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.manual_seed(0)
-    config = methods.resolve("ctp", ["train.precision=bf16", "train.zero_stage=3", "train.micro_batch=4",
-                                     "train.warmup_steps=1", "method.ctp.queue_size=16"])
-    method = methods.build(config)
-    model = method.prepare_model(prepare_for_deepspeed(models.create("clipstream-vit-tiny").model))
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.1, 1e-3),
-                                      config=deepspeed_config(config["train"], world, 4))
-    ctx = TaskContext(model=engine.module, task_index=0, rank=rank, world_size=world, device=engine.device)
-    method.before_task(ctx)
-    g = torch.Generator().manual_seed(1)
-    batch = {"image": torch.randn(4, 3, 32, 32, generator=g), "text": torch.randint(1, 400, (4, 32), generator=g)}
-    losses = [float(train_step(engine, method, ctx, batch)[0].detach()) for _ in range(4)]
-    ctp = method.components[0]
-    return {"losses": losses, "engine": str(next(engine.module.parameters()).dtype),
-            "momentum": str(next(ctp.momentum_model.parameters()).dtype), "queue": str(ctp.queues["image"].rows.dtype)}
+    # C-CLIP's adapter dropout draws its masks from torch's generator whenever a weight is read, which ZeRO-3's
+    # gathering does a different number of times: a different draw, not different maths, so it is off here
+    extra = {"ctp": ["method.ctp.queue_size=16"], "cclip": ["method.cclip.dropout=0.0"]}
+    out = {}
+    for name in TERMS:
+        first = {}
+        for stage in (0, 2, 3):
+            engine, method, teacher, bundle = _engine(name, stage, world, extra.get(name, ()))
+            if name == "ewc":  # the parent's importances: one value per weight, so the pull is felt everywhere
+                method.load_state_dict({"ewc": {"tasks": 1, "importance": {
+                    n: torch.full(tuple(getattr(p, "ds_shape", p.shape)), 0.01)
+                    for n, p in engine.module.named_parameters() if p.requires_grad}}})
+            ctx = TaskContext(model=engine.module, task_index=1, rank=rank, world_size=world, device=engine.device,
+                              teacher=teacher)
+            method.before_task(ctx)
+            batches, steps = _batches(rank, 4), []
+            for batch in batches:
+                loss, terms = train_step(engine, method, ctx, batch)
+                steps.append({"loss": float(loss.detach()), **{k: float(v.detach()) for k, v in terms.items()}})
+            method.after_task(ctx, batches)
+            engine.empty_partition_cache()
+            folder = _broadcast_string(tempfile.mkdtemp(prefix="zero-parity-") if rank == 0 else None)
+            export(engine, method, bundle, Path(folder), rank)
+            found = {"steps": steps}
+            if rank == 0:
+                state = method.state_dict()[name]
+                tensors = {**load_file(Path(folder) / models.WEIGHTS_FILE),
+                           **{f"importance/{n}": v for n, v in state.get("importance", {}).items()},
+                           **{f"momentum/{n}": v for n, v in state.get("momentum", {}).items()}}
+                tensors = {n: _without_key_bias(n, v) for n, v in tensors.items()}
+                first = first or tensors
+                found["tensors"] = len(tensors)
+                # importances: relative 1e-3, and as near zero the same reductions' float order allows
+                found["apart"] = [n for n, v in tensors.items() if v.shape != first[n].shape or not torch.allclose(
+                    v, first[n], atol=ATOL_WEIGHT if not n.startswith("importance/") else 1e-6 * float(v.abs().max()),
+                    rtol=0 if not n.startswith("importance/") else 1e-3)]
+                shutil.rmtree(folder)
+            out[name, stage] = found
+            torch.distributed.barrier()
+    return out
 
 
-def test_bf16_trains_on_cpu_at_zero_3_with_fp32_method_state():
-    """DeepSpeed's bf16 on CPU workers, under ZeRO-3, with CTP (momentum model, queues, a teacher-free first task)."""
+def _without_key_bias(name: str, weight: torch.Tensor) -> torch.Tensor:
+    """The weight with the key projection's bias (the middle third of an attention's in_proj_bias) zeroed: softmax over
+    the keys is invariant to it, so the loss gives it no gradient but rounding noise, which Adam scales up to steps
+    of the rate whose sign each stage's order of reductions sets (seen with EWC's pull on: ±the rate, every stage)."""
+    if not name.endswith("attn.in_proj_bias"):
+        return weight
+    q, _, v = weight.chunk(3)
+    return torch.cat([q, torch.zeros_like(q), v])
+
+
+@pytest.mark.slow
+def test_every_method_trains_the_same_at_zero_0_2_and_3():
     from tests.conftest import on_gloo
 
-    for out in on_gloo(_bf16_ctp_steps, 2).values():
-        assert out["engine"] == "torch.bfloat16"
-        assert out["momentum"] == out["queue"] == "torch.float32"  # an EMA's small steps would vanish in bf16
-        # it trained (CTP's queue moves its contrast every step, so the loss need not fall in so few)
-        assert all(torch.isfinite(torch.tensor(out["losses"]))) and len(set(out["losses"])) == 4
+    for rank, out in on_gloo(_methods_at_stages, 2).items():
+        for name, terms in TERMS.items():
+            steps = {stage: out[name, stage]["steps"] for stage in (0, 2, 3)}
+            for term in terms:  # the method's own terms count in what is compared
+                assert max(abs(s[term]) for s in steps[0]) > 1e-6, (name, term)
+            assert len({s["loss"] for s in steps[0]}) == 4, name  # it trained
+            for stage in (2, 3):
+                for key in steps[0][0]:
+                    assert [s[key] for s in steps[stage]] == pytest.approx([s[key] for s in steps[0]], rel=RTOL_LOSS,
+                                                                           abs=1e-6), (name, stage, key)
+                if rank == 0:
+                    assert out[name, stage]["tensors"] > 10 and out[name, stage]["apart"] == [], (name, stage)
+
+
+def _bf16_ctp_steps(rank: int, world: int) -> dict:
+    """A few of the engine's steps of CTP in bf16 at ZeRO 0 and 3 on CPU (gloo), the dtypes it kept, and its export
+    (`engine.export`, as each epoch's checkpoint writes it) against the optimizer's fp32 master weights."""
+    import os
+    import tempfile
+
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from clipstream.training import methods
+    from clipstream.training.engine import deepspeed_config, export, frozen_weights, param_groups, train_step
+    from clipstream.training.methods.base import TaskContext, gathered
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    out = {}
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        config = methods.resolve("ctp", ["train.precision=bf16", f"train.zero_stage={stage}", "train.micro_batch=4",
+                                         "train.warmup_steps=1", "method.ctp.queue_size=16"])
+        method = methods.build(config)
+        bundle = models.create("clipstream-vit-tiny")
+        model = method.prepare_model(prepare_for_deepspeed(bundle.model))
+        model.visual.conv1.weight.requires_grad_(False)  # a frozen weight: exported as it was, never rounded
+        frozen = frozen_weights(model)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.1, 1e-3),
+                                          config=deepspeed_config(config["train"], world, 4))
+        ctx = TaskContext(model=engine.module, task_index=0, rank=rank, world_size=world, device=engine.device)
+        method.before_task(ctx)
+        g = torch.Generator().manual_seed(1)
+        batch = {"image": torch.randn(4, 3, 32, 32, generator=g), "text": torch.randint(1, 400, (4, 32), generator=g)}
+        losses = [float(train_step(engine, method, ctx, batch)[0].detach()) for _ in range(4)]
+        ctp = method.components[0]
+        # the tensors torch's AdamW steps: ZeRO's partitions (gathered by DeepSpeed's own accessor), or without ZeRO
+        # the fp32 copies DeepSpeed's FP16 optimizer hands it, one group per group of the engine's bf16 parameters
+        stepped = {id(low): fp32 for lows, group in zip(engine.optimizer.fp16_groups,
+                                                        engine.optimizer.optimizer.param_groups)
+                   for low, fp32 in zip(lows, group["params"])} if stage == 0 else {}
+        with gathered(engine.module.parameters()):
+            masters = {n: stepped[id(p)].detach().clone() if id(p) in stepped else safe_get_full_fp32_param(p)
+                       for n, p in engine.module.named_parameters() if p.requires_grad}
+            engine_values = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        folder = Path(tempfile.mkdtemp(prefix="bf16-export-"))
+        export(engine, method, bundle, folder, rank, frozen)
+        found = {"losses": losses, "engine": str(next(engine.module.parameters()).dtype),
+                 "momentum": str(next(ctp.momentum_model.parameters()).dtype),
+                 "queue": str(ctp.queues["image"].rows.dtype),
+                 "engine after": sorted({str(v.dtype) for v in engine_values.values()})}
+        if rank == 0:
+            weights = load_file(folder / models.WEIGHTS_FILE)
+            found.update(
+                dtypes=sorted({str(w.dtype) for w in weights.values()}),
+                # the masters, bit for bit, and not their bf16 copies that the engine computes with
+                not_master=[n for n, m in masters.items() if not torch.equal(weights[n].reshape(m.shape), m)],
+                rounded=all(torch.equal(m, m.bfloat16().float()) for m in masters.values()),
+                frozen_kept=torch.equal(weights["visual.conv1.weight"], frozen["visual.conv1.weight"]),
+                frozen_was_rounded=not torch.equal(frozen["visual.conv1.weight"],
+                                                   engine_values["visual.conv1.weight"].float()))
+        shutil.rmtree(folder, ignore_errors=True)
+        out[stage] = found
+    return out
+
+
+def test_bf16_trains_on_cpu_at_zero_0_and_3_and_exports_the_fp32_masters():
+    """DeepSpeed's bf16 on CPU workers, under ZeRO 0 and 3, with CTP (momentum model, queues, a teacher-free first
+    task): it trains, keeps the method's state in fp32, and exports fp32 weights, the optimizer's masters."""
+    from tests.conftest import on_gloo
+
+    results = on_gloo(_bf16_ctp_steps, 2)
+    for rank, by_stage in results.items():
+        for stage, out in by_stage.items():
+            assert out["engine"] == "torch.bfloat16" and out["engine after"] == ["torch.bfloat16"], stage
+            assert out["momentum"] == out["queue"] == "torch.float32", stage  # an EMA's small steps would vanish in bf16
+            # it trained (CTP's queue moves its contrast every step, so the loss need not fall in so few)
+            assert all(torch.isfinite(torch.tensor(out["losses"]))) and len(set(out["losses"])) == 4, stage
+            if rank == 0:
+                assert out["dtypes"] == ["torch.float32"] and out["not_master"] == [], stage
+                assert not out["rounded"], stage  # (else the comparison could not tell masters from bf16 copies)
+                assert out["frozen_kept"] and out["frozen_was_rounded"], stage
 
 
 def _engine(method_name: str, stage: int, world: int, extra=()):
@@ -145,14 +241,15 @@ def _engine(method_name: str, stage: int, world: int, extra=()):
     config = methods.resolve(method_name, [*DETERMINISTIC, f"train.zero_stage={stage}", "train.micro_batch=4",
                                            "train.warmup_steps=1", *extra])
     method = methods.build(config)
-    model = method.prepare_model(prepare_for_deepspeed(models.create("clipstream-vit-tiny").model))
+    bundle = models.create("clipstream-vit-tiny")
+    model = method.prepare_model(prepare_for_deepspeed(bundle.model))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.1, 1e-3),
                                       config=deepspeed_config(config["train"], world, 8))
     teacher = None
     if method.needs_teacher:  # the parent: another model, so the method's terms are not zero
         torch.manual_seed(1)
         teacher = frozen(prepare_for_deepspeed(models.create("clipstream-vit-tiny").model))
-    return engine, method, teacher
+    return engine, method, teacher, bundle
 
 
 def _batches(rank: int, n: int) -> list[dict]:
@@ -176,7 +273,7 @@ def _hooks_at_stages(rank: int, world: int) -> dict:
     out, importance = {}, {}
     for name in ("mas", "modx"):
         for stage in (0, 3):
-            engine, method, teacher = _engine(name, stage, world)
+            engine, method, teacher, _ = _engine(name, stage, world)
             ctx = TaskContext(model=engine.module, task_index=1, rank=rank, world_size=world, device=engine.device,
                               teacher=teacher)
             method.before_task(ctx)
@@ -199,7 +296,7 @@ def _hooks_at_stages(rank: int, world: int) -> dict:
     folder = _broadcast_string(folder)
     runs = []
     for resumed in (False, True):
-        engine, method, teacher = _engine("ctp", 3, world, ["method.ctp.queue_size=16"])
+        engine, method, teacher, _ = _engine("ctp", 3, world, ["method.ctp.queue_size=16"])
         ctx = TaskContext(model=engine.module, task_index=1, rank=rank, world_size=world, device=engine.device,
                           teacher=teacher)
         batches, losses = _batches(rank, 4), []
