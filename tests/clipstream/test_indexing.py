@@ -118,18 +118,18 @@ def test_the_index_and_the_evaluation_agree_on_a_language_stream_under_both_poli
     from clipstream.training.data.synth import synthesize_languages
     from tests.conftest import register_version
 
-    dirs = synthesize_languages(tmp_path / "langs", 3, seed=1, train_pairs=40, test_per_task=12, progress=False)
+    dirs = synthesize_languages(tmp_path / "langs", 2, seed=1, train_pairs=40, test_per_task=12, progress=False)
     settings = Settings(home=tmp_path / "home").ensure_dirs()
-    for k in range(3):
+    for k in range(2):
         register_version(settings, seed=k + 1, task_dirs=dirs[:k + 1], parent=str(k) if k else "")
     registry = Registry(settings)
     no_reindex = settings.model_copy(update={"qdrant_path": tmp_path / "no-reindex"})
     for k, folder in enumerate(dirs):
         index_task(no_reindex, str(k + 1), folder, "no-reindex")
     reindex = settings.model_copy(update={"qdrant_path": tmp_path / "reindex", "index_policy": "reindex"})
-    put_lineage(reindex, registry.resolve("3"))
+    put_lineage(reindex, registry.resolve("2"))
 
-    bundles = [models.load_exported(registry.resolve(str(k + 1)).folder) for k in range(3)]
+    bundles = [models.load_exported(registry.resolve(str(k + 1)).folder) for k in range(2)]
     tasks = [Task.load(d) for d in dirs]
     queries = evaluate.embed_tasks(bundles[-1], tasks)
     own = [evaluate.embed_task(b, t) for b, t in zip(bundles, tasks)]

@@ -532,14 +532,15 @@ def test_each_version_embeds_each_gallery_once_and_the_next_job_reuses_its_paren
                                                                                   monkeypatch):
     """Two jobs' evaluations in one process: the second embeds the two seen galleries with its own model and takes
     its parent's vectors of the first task from the parent's evaluation instead of embedding them again; the
-    spatial disorder it logs is the one a fresh embedding by the parent gives."""
+    spatial disorder it logs is the one a fresh embedding by the parent gives. Its no-reindex row ranks its queries
+    against those vectors of the parent's, which another process reads from the parent's run."""
     import tempfile
 
     import torch
 
     from clipstream import models
     from clipstream.registry import Registry
-    from clipstream.training import diagnostics
+    from clipstream.training import diagnostics, evaluate
     from clipstream.training.data.task import Task
     from clipstream.training.engine import METHOD_STATE_FILE
     from clipstream.training.job import evaluate_version, prepare, register
@@ -597,46 +598,20 @@ def test_each_version_embeds_each_gallery_once_and_the_next_job_reuses_its_paren
     assert {"matrix_noreindex_unknown.json", "gallery_vectors.npz"} <= {
         a.path for a in registry.client.list_artifacts(runs[1])}
 
-
-def test_no_reindex_galleries_come_from_the_versions_run_else_its_model(settings, stream, tmp_path, monkeypatch):
-    """Another process's job (nothing cached here) reads an old version's vectors from its run; a version registered
-    before they were kept (no artifact) has its model embed them again."""
-    import tempfile
-
-    import torch
-
-    from clipstream import models
-    from clipstream.registry import Registry
-    from clipstream.training import evaluate, job
-    from clipstream.training.data.task import Task
-    from clipstream.training.engine import METHOD_STATE_FILE
-    from clipstream.training.methods.state import save_state
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    registry = Registry(settings)
-    plan = job.prepare(registry, stream[0], "finetune", None, workers=1, overrides=["train.micro_batch=8"])
-    with registry.run(plan.run_name, plan.tags) as run_id:
-        torch.manual_seed(0)
-        trained = plan.workdir / "checkpoint"
-        models.export(models.create(plan.config["model"]["arch"]), trained)
-        save_state(plan.method.state_dict(), trained / METHOD_STATE_FILE)
-        first = job.register(registry, plan, trained, job.evaluate_version(
-            registry, plan, trained, settings.home / "plots" / run_id, registry.log(run_id)), run_id)
-    child = job.prepare(registry, stream[1], "finetune", first, workers=1, overrides=["train.micro_batch=8"])
-    bundle = models.load_exported(registry.resolve(first).folder)
-    embedded = evaluate.embed_tasks(bundle, [Task.load(p) for p in stream])  # (as the child's model, here v1's)
-    own = evaluate.embed_task(bundle, Task.load(stream[0]))
-    monkeypatch.setattr(evaluate, "GALLERIES", evaluate.GalleryCache())  # another process: nothing cached
-    galleries, again = job.noreindex_galleries(registry, child, embedded, 256, models.placement())
-    assert again == 0 and [g.task for g in galleries] == [e.task for e in embedded] and galleries[1] is embedded[1]
-    np.testing.assert_allclose(galleries[0].img, own.img, atol=1e-6)
+    # another process's job (nothing cached) reads version 1's vectors from its run; without them (a version
+    # registered before they were kept) version 1's model embeds them again
     from urllib.parse import urlparse
 
-    artifacts = Path(urlparse(registry.client.get_run(run_id).info.artifact_uri).path)
-    (artifacts / job.GALLERY_VECTORS).unlink()  # as a version registered before the vectors were kept
-    galleries, again = job.noreindex_galleries(registry, child, embedded, 256, models.placement())
-    assert again == len(own.txt)
-    np.testing.assert_allclose(galleries[0].txt, own.txt, atol=1e-6)
+    from clipstream.training import job
+
+    monkeypatch.setattr(evaluate, "GALLERIES", evaluate.GalleryCache())
+    galleries, again = job.noreindex_galleries(registry, plan, [new, new1], 256, models.placement())
+    assert again == 0 and [g.task for g in galleries] == [new.task, new1.task] and galleries[1] is new1
+    np.testing.assert_allclose(galleries[0].img, old.img, atol=1e-6)
+    (Path(urlparse(registry.client.get_run(runs[0]).info.artifact_uri).path) / job.GALLERY_VECTORS).unlink()
+    galleries, again = job.noreindex_galleries(registry, plan, [new, new1], 256, models.placement())
+    assert again == len(old.txt)
+    np.testing.assert_allclose(galleries[0].txt, old.txt, atol=1e-6)
 
 
 def test_curves_draw_each_tasks_rm_from_the_task_that_brought_it(tmp_path):
