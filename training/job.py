@@ -115,24 +115,10 @@ class Plan:
         return str(self.parent.folder) if self.parent else self.config["model"]["pretrained"]
 
 
-@dataclass
-class Evaluation:
-    matrices: dict[str, evaluate.ResultMatrix]  # by name (`MATRICES`): both gallery modes under both index policies
-    heatmap: Path
-    zero_shot: list[float] = field(default_factory=list)  # mean held-out Rm of each version since the set began
+class Matrices:
+    """What holds a version's R matrices by name (`MATRICES`), with the reindex ones by their old names."""
 
-
-@dataclass
-class TaskResult:
-    version: str
-    run_id: str
-    task: str
-    task_index: int
-    matrices: dict[str, evaluate.ResultMatrix]  # by name (`MATRICES`); the no-reindex ones may be absent (see there)
-    heatmap: Path
-    skipped: int
-    seconds: float
-    zero_shot: list[float] = field(default_factory=list)
+    matrices: dict[str, evaluate.ResultMatrix]
 
     @property
     def known(self) -> evaluate.ResultMatrix:
@@ -143,6 +129,26 @@ class TaskResult:
     def unknown(self) -> evaluate.ResultMatrix:
         """The task-unknown matrix under the reindex policy."""
         return self.matrices["unknown"]
+
+
+@dataclass
+class Evaluation(Matrices):
+    matrices: dict[str, evaluate.ResultMatrix]  # by name (`MATRICES`): both gallery modes under both index policies
+    heatmap: Path
+    zero_shot: list[float] = field(default_factory=list)  # mean held-out Rm of each version since the set began
+
+
+@dataclass
+class TaskResult(Matrices):
+    version: str
+    run_id: str
+    task: str
+    task_index: int
+    matrices: dict[str, evaluate.ResultMatrix]  # by name (`MATRICES`); the no-reindex ones may be absent (see there)
+    heatmap: Path
+    skipped: int
+    seconds: float
+    zero_shot: list[float] = field(default_factory=list)
 
 
 def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[str] = None, workers: int = 2,
