@@ -8,6 +8,7 @@ galleries): rank by cosine of L2-normalised embeddings, a query hits at K when a
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -86,14 +87,27 @@ def retrieval_metrics(img: np.ndarray, txt: np.ndarray, positive: np.ndarray) ->
     return _as_percent(_directional(img, txt, positive), _directional(txt, img, positive.T))
 
 
+def content_key(image: bytes | Path) -> str:
+    """The identity of an image by what it shows: sha256 of its bytes (`Task.image` gives bytes or a local file).
+    Tasks that share images (a language stream: the same pictures captioned in several languages, each task with
+    its own copy of the files) then share keys, whatever the files are called."""
+    return hashlib.sha256(image if isinstance(image, bytes) else Path(image).read_bytes()).hexdigest()
+
+
 @dataclass
 class Embedded:
-    """One task's test split embedded by one model: unit rows, and which image matches which text."""
+    """One task's test split embedded by one model: unit rows, and which image matches which text.
+
+    `keys` (the content key of each row's image, `content_key`) and `captions` (each row's caption) describe rows
+    that are pairs (image i goes with caption i): with them, task-unknown retrieval finds positives in the other
+    tasks' galleries too (`UnionPositives`). Without them only `positive`, inside the task, is known."""
 
     task: str
     img: np.ndarray  # [N_img, D] float32
     txt: np.ndarray  # [N_txt, D] float32
     positive: np.ndarray  # bool [N_img, N_txt]
+    keys: Optional[Sequence[str]] = None  # [N] content key of each pair's image
+    captions: Optional[Sequence[str]] = None  # [N] each pair's caption
 
     def __post_init__(self) -> None:
         if self.positive.shape != (len(self.img), len(self.txt)):
@@ -101,27 +115,100 @@ class Embedded:
                 f"task {self.task!r}: positive {self.positive.shape} does not match "
                 f"{len(self.img)} images x {len(self.txt)} texts"
             )
+        if (self.keys is None) != (self.captions is None):
+            raise ValueError(f"task {self.task!r}: give both keys and captions, or neither")
+        if self.keys is not None and not len(self.keys) == len(self.captions) == len(self.img) == len(self.txt):
+            raise ValueError(f"task {self.task!r}: keys and captions describe pairs: need one of each per row, got "
+                             f"{len(self.keys)} keys, {len(self.captions)} captions for {len(self.img)} images x "
+                             f"{len(self.txt)} texts")
 
 
-def evaluate_seen(embedded: Sequence[Embedded]) -> dict[str, dict[str, dict[str, float]]]:
+class UnionPositives:
+    """Which rows of the union of several tasks' galleries are positives of a query: the rule of `positives`
+    (same image, identical caption, or the query's own pair) applied across the union, with the image's content
+    key (`content_key`) as its identity. A task's own block also takes its `positive`. So the same image in
+    another task's gallery (a language stream shows every image in every language) is a positive, not a negative
+    that ties with the query's own. A task whose Embedded has no keys has positives in its own block only.
+
+    Built per chunk of queries (`rows`), never as a full [Q, G] matrix."""
+
+    def __init__(self, embedded: Sequence[Embedded]):
+        self.embedded = list(embedded)
+        self.img_start = np.cumsum([0] + [len(e.img) for e in self.embedded])
+        self.txt_start = np.cumsum([0] + [len(e.txt) for e in self.embedded])
+        self._img, self._txt = self._codes()
+
+    def _codes(self) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+        """(key codes, caption codes) of every image row and of every text row of the union: equal values share a
+        code; rows without keys get codes no other row has (negative, so never equal to a value's)."""
+        values: dict[tuple[str, str], int] = {}
+        fresh = 0
+        img, txt = ([], []), ([], [])
+        for e in self.embedded:
+            if e.keys is None:
+                for side, n in ((img, len(e.img)), (txt, len(e.txt))):
+                    for part in side:
+                        part.append(-1 - fresh - np.arange(n))
+                        fresh += n
+                continue
+            codes = [np.fromiter((values.setdefault((what, str(v)), len(values)) for v in column), dtype=np.int64,
+                                 count=len(column)) for what, column in (("key", e.keys), ("caption", e.captions))]
+            for side in (img, txt):  # (rows are pairs: image row i and text row i describe one item)
+                side[0].append(codes[0])
+                side[1].append(codes[1])
+        return tuple(np.concatenate(p) for p in img), tuple(np.concatenate(p) for p in txt)
+
+    def rows(self, t: int, direction: str, start: int, stop: int) -> np.ndarray:
+        """bool [stop - start, G]: the positives of task t's queries start..stop-1 among the union's gallery rows,
+        `direction` "i2t" (image queries, text gallery) or "t2i"."""
+        if direction not in ("i2t", "t2i"):
+            raise ValueError(f"direction must be 'i2t' or 't2i', got {direction!r}")
+        (query, query_start), (gallery, gallery_start) = (
+            ((self._img, self.img_start), (self._txt, self.txt_start)) if direction == "i2t"
+            else ((self._txt, self.txt_start), (self._img, self.img_start)))
+        q = slice(query_start[t] + start, query_start[t] + stop)
+        out = (query[0][q, None] == gallery[0][None, :]) | (query[1][q, None] == gallery[1][None, :])
+        own = self.embedded[t].positive
+        out[:, gallery_start[t]:gallery_start[t + 1]] |= (own if direction == "i2t" else own.T)[start:stop]
+        return out
+
+
+def _union_ranks(queries: np.ndarray, gallery: np.ndarray, union: UnionPositives, t: int,
+                 direction: str) -> np.ndarray:
+    """First-hit ranks of task t's queries against the union gallery, in query chunks."""
+    return np.concatenate([
+        _first_hit_rank(queries[s : s + _QUERY_CHUNK] @ gallery.T,
+                        union.rows(t, direction, s, min(s + _QUERY_CHUNK, len(queries))))
+        for s in range(0, len(queries), _QUERY_CHUNK)
+    ])
+
+
+def evaluate_seen(embedded: Sequence[Embedded],
+                  galleries: Optional[Sequence[Embedded]] = None) -> dict[str, dict[str, dict[str, float]]]:
     """{'known': {task: metrics}, 'unknown': {task: metrics}}. Task-known ranks a task's queries in its
     own gallery; task-unknown ranks them in the union of all tasks' galleries (raw cosine, no per-task
-    normalisation), where other tasks' items are negatives that can distract the query."""
+    normalisation), where other tasks' items are negatives that can distract the query, unless they show the same
+    image or carry the same caption (`UnionPositives`).
+
+    The queries are `embedded`; the galleries are `galleries` (the same tasks' rows in the same order, embedded by
+    other models), by default the queries' own: the no-reindex policy ranks today's queries against the vectors
+    each task's own version made (`noreindex_galleries`)."""
     names = [e.task for e in embedded]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate task names: {names}")
-    all_img = np.concatenate([e.img for e in embedded])
-    all_txt = np.concatenate([e.txt for e in embedded])
-    img_start = np.cumsum([0] + [len(e.img) for e in embedded])
-    txt_start = np.cumsum([0] + [len(e.txt) for e in embedded])
+    galleries = list(embedded if galleries is None else galleries)
+    if [g.task for g in galleries] != names or any(
+            g.img.shape[0] != e.img.shape[0] or g.txt.shape[0] != e.txt.shape[0] for e, g in zip(embedded, galleries)):
+        raise ValueError(f"the galleries must be the queries' tasks {names} with the same rows, got "
+                         f"{[(g.task, len(g.img), len(g.txt)) for g in galleries]}")
+    all_img = np.concatenate([g.img for g in galleries])
+    all_txt = np.concatenate([g.txt for g in galleries])
+    union = UnionPositives(embedded)
     known, unknown = {}, {}
-    for t, e in enumerate(embedded):
-        known[e.task] = retrieval_metrics(e.img, e.txt, e.positive)
-        i2t = np.zeros((len(e.img), len(all_txt)), dtype=bool)
-        i2t[:, txt_start[t] : txt_start[t + 1]] = e.positive
-        t2i = np.zeros((len(e.txt), len(all_img)), dtype=bool)
-        t2i[:, img_start[t] : img_start[t + 1]] = e.positive.T
-        unknown[e.task] = _as_percent(_directional(e.img, all_txt, i2t), _directional(e.txt, all_img, t2i))
+    for t, (e, g) in enumerate(zip(embedded, galleries)):
+        known[e.task] = _as_percent(_directional(e.img, g.txt, e.positive), _directional(e.txt, g.img, e.positive.T))
+        unknown[e.task] = _as_percent(_recall(_union_ranks(e.img, all_txt, union, t, "i2t"), KS),
+                                      _recall(_union_ranks(e.txt, all_img, union, t, "t2i"), KS))
     return {"known": known, "unknown": unknown}
 
 
@@ -319,11 +406,13 @@ def embed_tasks(bundle, tasks: Sequence, split: str = "test", batch_size: int = 
     rounding)."""
     rows = [task.check(split).rows for task in tasks]
     captions = [[str(r["caption"]) for r in task_rows] for task_rows in rows]
-    img = bundle.embed_images([task.image(r) for task, task_rows in zip(tasks, rows) for r in task_rows], batch_size)
+    images = [task.image(r) for task, task_rows in zip(tasks, rows) for r in task_rows]
+    keys = [content_key(image) for image in images]
+    img = bundle.embed_images(images, batch_size)
     txt = bundle.embed_texts([c for task_captions in captions for c in task_captions], batch_size)
     bounds = np.cumsum([0, *map(len, rows)])
-    return [Embedded(task.name, img[a:b], txt[a:b], positives([str(r["image"]) for r in task_rows], task_captions))
-            for task, task_rows, task_captions, a, b in zip(tasks, rows, captions, bounds[:-1], bounds[1:])]
+    return [Embedded(task.name, img[a:b], txt[a:b], positives(keys[a:b], task_captions), keys[a:b], task_captions)
+            for task, task_captions, a, b in zip(tasks, captions, bounds[:-1], bounds[1:])]
 
 
 class GalleryCache:

@@ -25,7 +25,7 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -115,22 +115,36 @@ class Plan:
         return str(self.parent.folder) if self.parent else self.config["model"]["pretrained"]
 
 
+class Matrices:
+    """What holds a version's R matrices by name (`MATRICES`), with the reindex ones by their old names."""
+
+    matrices: dict[str, evaluate.ResultMatrix]
+
+    @property
+    def known(self) -> evaluate.ResultMatrix:
+        """The task-known matrix under the reindex policy (every gallery embedded by this version)."""
+        return self.matrices["known"]
+
+    @property
+    def unknown(self) -> evaluate.ResultMatrix:
+        """The task-unknown matrix under the reindex policy."""
+        return self.matrices["unknown"]
+
+
 @dataclass
-class Evaluation:
-    known: evaluate.ResultMatrix
-    unknown: evaluate.ResultMatrix
+class Evaluation(Matrices):
+    matrices: dict[str, evaluate.ResultMatrix]  # by name (`MATRICES`): both gallery modes under both index policies
     heatmap: Path
     zero_shot: list[float] = field(default_factory=list)  # mean held-out Rm of each version since the set began
 
 
 @dataclass
-class TaskResult:
+class TaskResult(Matrices):
     version: str
     run_id: str
     task: str
     task_index: int
-    known: evaluate.ResultMatrix
-    unknown: evaluate.ResultMatrix
+    matrices: dict[str, evaluate.ResultMatrix]  # by name (`MATRICES`); the no-reindex ones may be absent (see there)
     heatmap: Path
     skipped: int
     seconds: float
@@ -171,13 +185,14 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
         with registry.run(plan.run_name, tags) as run_id:
             run = registry.log(run_id)
             trained = fit(plan, settings, run)
-            result = evaluate_version(plan, trained, settings.home / "plots" / run_id, run, settings.embed_precision)
+            result = evaluate_version(registry, plan, trained, settings.home / "plots" / run_id, run,
+                                      settings.embed_precision)
             resume.refuse_registered(registry, plan.tags, plan.generation)  # (an identical job that finished meanwhile)
             version = register(registry, plan, trained, result, run_id)
         shared.remove(storage)  # its checkpoint is the version now: a retrain starts afresh
     finally:
         shutil.rmtree(plan.workdir, ignore_errors=True)
-    return TaskResult(version, run_id, plan.task.name, plan.task_index, result.known, result.unknown, result.heatmap,
+    return TaskResult(version, run_id, plan.task.name, plan.task_index, result.matrices, result.heatmap,
                       len(plan.skipped), time.perf_counter() - tic, result.zero_shot)
 
 
@@ -366,10 +381,16 @@ def check_placement(workers: int, gpus_per_worker: float, cluster: dict) -> None
                              f"has {have:g}; lower --workers or --gpus-per-worker (0: CPU workers)")
 
 
-def evaluate_version(plan: Plan, trained: Path, plots: Path, run: RunLog, precision: str = "auto") -> Evaluation:
+def evaluate_version(registry: Registry, plan: Plan, trained: Path, plots: Path, run: RunLog,
+                     precision: str = "auto") -> Evaluation:
     """The trained model on the test split of every task seen so far: the parent's R matrices grow by
     one row, logged with AA / forgetting / BWT and heatmaps; from task 2 on, Mod-X's spatial disorder
     of the old tasks' test pairs between the parent and this version.
+
+    Two index policies, two pairs of matrices (Wang et al., arXiv:2104.06806): reindex (`known`, `unknown`: every
+    gallery embedded by this version) and no-reindex (`noreindex_known`, `noreindex_unknown`: each task's gallery as
+    the version trained on it embedded it, queried by this version). This version's own task's test vectors are
+    logged with its run (`GALLERY_VECTORS`), so that its children's no-reindex rows read them (`noreindex_galleries`).
 
     Each version embeds each task's test split once, the seen tasks' rows together in batches of `eval.batch_size`;
     the parent's vectors of the old tasks are the ones its own evaluation made when that ran in this process
@@ -385,15 +406,26 @@ def evaluate_version(plan: Plan, trained: Path, plots: Path, run: RunLog, precis
     embedded = evaluate.embed_tasks(bundle, [_task_of(e) for e in seen], batch_size=batch)
     gallery = sum(len(e.txt) for e in embedded)
     scores = evaluate.evaluate_seen(embedded)
+    save_gallery(run, embedded[-1], plan.workdir / "gallery")
     previous = plan.parent.manifest.get("matrix", {}) if plan.parent else {}
-    matrices = {}
-    for mode in MODES:  # the parent's matrices (with their row 0, if the stream started from a version 0) grow a row
-        matrices[mode] = evaluate.ResultMatrix.from_dict(previous[mode]) if previous else evaluate.ResultMatrix()
-        matrices[mode].add_row(plan.task.name, {name: m["Rm"] for name, m in scores[mode].items()})
+    galleries, reembedded = noreindex_galleries(registry, plan, embedded, batch, placed)
+    if galleries is not None:
+        noreindex = evaluate.evaluate_seen(embedded, galleries)
+        scores.update({NOREINDEX + mode: noreindex[mode] for mode in MODES})
+    # the parent's matrices (with their row 0, if the stream started from a version 0) grow a row
+    matrices = {name: _previous_matrix(previous, name) for name in scores}
+    lost = [name for name, matrix in matrices.items() if matrix is None]
+    if lost:
+        print(f"[eval] version {plan.parent.version} has no {' or '.join(lost)} matrix (registered before they were "
+              "kept): this stream's versions go on without them", flush=True)
+    matrices = {name: matrix for name, matrix in matrices.items() if matrix is not None}
+    scores = {name: scores[name] for name in matrices}
+    for name, matrix in matrices.items():
+        matrix.add_row(plan.task.name, {task: m["Rm"] for task, m in scores[name].items()})
     log_evaluation(run, scores, matrices, plots, plan.run_name, f"after {plan.task.name}")
     before = (plan.parent.manifest.get("zero_shot") or {}) if plan.parent else {}
     zero_shot, zero_shot_pairs = evaluate_zero_shot(plan.zero_shot, before, bundle, batch, run)
-    embedded_pairs = gallery + zero_shot_pairs
+    embedded_pairs = gallery + zero_shot_pairs + reembedded
     if plan.history:  # how the old tasks' test pairs moved from the parent to this version (a version 0 has none)
         before = evaluate.GALLERIES.get(plan.parent.run_id, plan.history, batch)
         if before is None:  # (the parent was evaluated in another process)
@@ -415,20 +447,102 @@ def evaluate_version(plan: Plan, trained: Path, plots: Path, run: RunLog, precis
     evaluate.GALLERIES.put(run.run_id, seen, embedded, batch)  # for the next task's job, whose parent this version will be
     run.log_metrics({"eval/seconds": time.perf_counter() - tic, "eval/cpu_seconds": time.process_time() - cpu,
                         "eval/gallery_pairs": gallery, "eval/embedded_pairs": embedded_pairs})
-    return Evaluation(matrices["known"], matrices["unknown"], plots / f"{plan.run_name}-known.png", zero_shot)
+    return Evaluation(matrices, plots / f"{plan.run_name}-known.png", zero_shot)
 
 
 MODES = ("known", "unknown")  # task-known and task-unknown galleries
+NOREINDEX = "noreindex_"  # the no-reindex policy's matrices: MODES with this prefix (the bare names are reindex's)
+MATRICES = (*MODES, *(NOREINDEX + mode for mode in MODES))
+GALLERY_VECTORS = "gallery_vectors.npz"  # a version's own task's test-split vectors, an artifact of its run
+
+
+def _previous_matrix(previous: dict, name: str) -> Optional[evaluate.ResultMatrix]:
+    """The parent's matrix `name` to grow (an empty one for a stream's first version). A parent registered before
+    the no-reindex matrices were kept has none: its reindex matrix stands in while it holds at most one trained
+    row (row 0 and the first trained row rank every gallery as its own version made it: both policies agree);
+    after that the rows it lacks cannot be rebuilt here (None)."""
+    if not previous:
+        return evaluate.ResultMatrix()
+    if name in previous:
+        return evaluate.ResultMatrix.from_dict(previous[name])
+    base = name.removeprefix(NOREINDEX)
+    if base != name and base in previous and len(previous[base]["tasks"]) <= 1:
+        return evaluate.ResultMatrix.from_dict(previous[base])
+    return None
+
+
+def save_gallery(run: RunLog, own: evaluate.Embedded, folder: Path) -> None:
+    """This version's vectors of its own task's test split (with the rows' content keys and captions, which tell
+    a reader whether the split still has the same rows) as the run's artifact `GALLERY_VECTORS`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    np.savez(folder / GALLERY_VECTORS, img=own.img.astype(np.float32), txt=own.txt.astype(np.float32),
+             keys=np.asarray(own.keys, dtype=str), captions=np.asarray(own.captions, dtype=str))
+    run.log_artifacts(folder)
+
+
+def load_gallery(registry: Registry, run_id: str, like: evaluate.Embedded) -> Optional[evaluate.Embedded]:
+    """The vectors run `run_id` logged (`save_gallery`) as an Embedded of `like`'s rows; None when the run has
+    none (a version registered before they were kept) or they are of other rows (the split changed since)."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=GALLERY_VECTORS, dst_path=tmp,
+                                                       tracking_uri=registry.tracking_uri)
+        except (MlflowException, OSError):
+            return None
+        with np.load(path, allow_pickle=False) as stored:
+            if stored["keys"].tolist() != list(like.keys) or stored["captions"].tolist() != list(like.captions):
+                return None
+            return replace(like, img=stored["img"], txt=stored["txt"])
+
+
+def _versions_by_task(registry: Registry, version: Optional[Version]) -> dict[str, Version]:
+    """task -> the version trained on it, from `version` back through its parents (their tags: nothing is
+    downloaded); a version 0 (no task) ends the walk."""
+    found = {}
+    while version is not None and version.tags.get("task"):
+        found.setdefault(version.tags["task"], version)
+        parent = version.tags.get("parent_version")
+        version = registry.resolve(parent, download=False) if parent else None
+    return found
+
+
+def noreindex_galleries(registry: Registry, plan: Plan, embedded: list[evaluate.Embedded], batch: int,
+                        placed: tuple) -> tuple[Optional[list[evaluate.Embedded]], int]:
+    """The galleries of the no-reindex policy for the seen tasks (`embedded`, this version's, the current task
+    last): each old task's test split as the version trained on it embedded it, and the current task's as this
+    version does. An old version's vectors come from this process's cache (`evaluate.GALLERIES`), else its run's
+    artifact, else (a version registered before they were kept) its model embeds them again. Returns them and the
+    pairs embedded again; (None, 0) when the lineage has a task no ancestor version was trained on."""
+    owners = _versions_by_task(registry, plan.parent)
+    galleries, reembedded = [], 0
+    for entry, own in zip(plan.history, embedded):
+        owner = owners.get(entry["task"])
+        if owner is None:
+            print(f"[eval] no version of this stream's lineage was trained on {entry['task']!r}: no no-reindex row",
+                  flush=True)
+            return None, 0
+        cached = evaluate.GALLERIES.get(owner.run_id, [entry], batch)
+        gallery = (replace(own, img=cached[0][0], txt=cached[0][1]) if cached is not None
+                   else load_gallery(registry, owner.run_id, own))
+        if gallery is None:
+            bundle = models.load_exported(registry.resolve(owner.version).folder).to(*placed)
+            fresh = evaluate.embed_tasks(bundle, [_task_of(entry)], batch_size=batch)[0]
+            gallery, reembedded = replace(own, img=fresh.img, txt=fresh.txt), reembedded + len(fresh.txt)
+        galleries.append(gallery)
+    return [*galleries, embedded[-1]], reembedded
 
 
 def log_evaluation(run: RunLog, scores: dict, matrices: dict[str, evaluate.ResultMatrix], plots: Path, run_name: str,
                    when: str) -> None:
     """A version's evaluation into its run: every task's metrics (`evaluate.evaluate_seen`), the summary of each
-    mode's matrix (AA, forgetting, BWT over its trained rows; a matrix of row 0 alone, its mean as `MODE/pretrained_Rm`),
-    the matrices as JSON and their heatmaps and curves under `plots` (titled with `when` it was evaluated)."""
+    matrix (AA, forgetting, BWT over its trained rows; a matrix of row 0 alone, its mean as `NAME/pretrained_Rm`),
+    the matrices as JSON and their heatmaps and curves under `plots` (titled with `when` it was evaluated).
+    `matrices` and `scores` are keyed alike, by matrix name (`MATRICES`)."""
     logged = {}  # (the metrics of every task go to MLflow in one call)
-    for mode in MODES:
-        matrix = matrices[mode]
+    for mode, matrix in matrices.items():
         for name, metrics in scores[mode].items():
             logged.update({f"eval/{mode}/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
         if matrix.tasks:
@@ -437,8 +551,9 @@ def log_evaluation(run: RunLog, scores: dict, matrices: dict[str, evaluate.Resul
         elif matrix.baseline:
             logged[f"{mode}/{evaluate.BASELINE}_Rm"] = float(np.mean(list(matrix.baseline.values())))
         run.log_dict(matrix.to_dict(), f"matrix_{mode}.json")
-        matrix.heatmap(plots / f"{run_name}-{mode}.png", title=f"R[i][j] (Rm, task-{mode}) {when}")
-        matrix.curves(plots / f"{run_name}-{mode}-recall.png", title=f"task-{mode} Rm over the stream")
+        what = f"task-{mode.removeprefix(NOREINDEX)}" + (", no-reindex" if mode.startswith(NOREINDEX) else "")
+        matrix.heatmap(plots / f"{run_name}-{mode}.png", title=f"R[i][j] (Rm, {what}) {when}")
+        matrix.curves(plots / f"{run_name}-{mode}-recall.png", title=f"{what} Rm over the stream")
     run.log_metrics(logged)
 
 
@@ -465,7 +580,7 @@ def register(registry: Registry, plan: Plan, trained: Path, result: Evaluation, 
     version of the stream, the model of run `run_id`."""
     return publish(registry, trained, {
         "lineage": [*plan.history, plan.current],
-        "matrix": {"known": result.known.to_dict(), "unknown": result.unknown.to_dict()},
+        "matrix": {name: matrix.to_dict() for name, matrix in result.matrices.items()},
         "config": plan.config, "parent_version": plan.tags["parent_version"],
         "zero_shot": {"tasks": plan.zero_shot, "Rm": result.zero_shot} if plan.zero_shot else None,
         "unchanged_towers": [t for t in ("image", "text") if plan.parent and t not in plan.method.trains_towers],

@@ -14,6 +14,7 @@ from clipstream.training.data.synth import held_out_task
 from clipstream.training.data.task import DataError, Task
 from clipstream.training.job import TrainingFailed, check_placement, run_task
 from tests.conftest import DETERMINISTIC, FAST
+from tests.training.methods.test_streams import assert_both_policies
 
 
 @pytest.mark.e2e
@@ -59,6 +60,7 @@ def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(two_tasks, 
     resolved = registry.resolve("2")
     assert [e["task"] for e in resolved.lineage] == ["task-00-household", "task-01-furnishing"]
     matrix = evaluate.ResultMatrix.from_dict(resolved.manifest["matrix"]["known"])
+    assert_both_policies(resolved.manifest["matrix"])
     assert matrix.tasks == ["task-00-household", "task-01-furnishing"]
     assert matrix.values[0, 0] == pytest.approx(first.known.values[0, 0])
     bundle = models.load_exported(resolved.folder)

@@ -97,13 +97,15 @@ def test_the_first_trained_version_takes_version_0_as_parent_row_0_and_zero_shot
                 p.add_(0.05 * torch.randn_like(p))
             models.export(bundle, trained)
             assert json.loads((trained / models.CONFIG_FILE).read_text()) == state
-        result = evaluate_version(plan, trained, settings.home / "plots" / run_id, registry.log(run_id))
+        result = evaluate_version(registry, plan, trained, settings.home / "plots" / run_id, registry.log(run_id))
         child = register(registry, plan, trained, result, run_id)
 
     version = registry.resolve(child)
     known = evaluate.ResultMatrix.from_dict(version.manifest["matrix"]["known"])
     # R keeps row 0 and adds the first task's row; AA/forgetting/BWT are those of the trained row alone
     assert known.baseline == pytest.approx(v0.known.baseline) and known.tasks == ["task-00-household"]
+    for mode in ("known", "unknown"):  # row 0 and the first trained row: every gallery is its own version's
+        assert version.manifest["matrix"][f"noreindex_{mode}"] == version.manifest["matrix"][mode]
     labels, shown = known.shown()
     assert labels == ["pretrained", "task-00-household"] and shown.shape == (2, 2)
     metrics = registry.run_metrics(version.run_id)
