@@ -198,7 +198,8 @@ def methods(settings: Settings, tasks: int = 3, seeds: Sequence[int] = (0, 1, 2)
     store = cells.Cache(Path(cache) if cache else settings.home / "bench-cells" / "methods", fresh)
     results: dict[str, dict[int, dict]] = {v.label: {} for v in variants}
     for seed in seeds:
-        root = settings.data_dir / f"bench-methods-{cells.Cache.digest({**key, 'seed': seed})[:10]}-s{seed}"
+        data = {"tasks": tasks, "test_per_task": test_per_task, "seed": seed}  # what the synthetic data depends on
+        root = settings.data_dir / f"bench-methods-{cells.Cache.digest(data)[:10]}-s{seed}"
         dirs = cells.seed_data(root, lambda r: synthesize(r, tasks=tasks, seed=seed, test_per_task=test_per_task))
         done = cells.run_seed(settings, "methods", seed, dirs, variants, first, workers, [*seeded(seed), *overrides],
                               store, key, [held_out_task(root)])

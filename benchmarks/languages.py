@@ -99,7 +99,8 @@ def languages(settings: Settings, k: int, names: list[str], seeds: Sequence[int]
     store = cells.Cache(Path(cache) if cache else settings.home / "bench-cells" / "languages", fresh)
     results: dict[str, dict[int, dict]] = {v.label: {} for v in variants}
     for seed in seeds:
-        root = settings.data_dir / f"bench-languages-{cells.Cache.digest({**key, 'seed': seed})[:10]}-s{seed}"
+        data = {"languages": k, "test_per_task": test_per_task, "seed": seed}  # what the synthetic data depends on
+        root = settings.data_dir / f"bench-languages-{cells.Cache.digest(data)[:10]}-s{seed}"
         dirs = cells.seed_data(root, lambda r: synthesize_languages(r, k, seed=seed, test_per_task=test_per_task))
         # English is trained once per seed with finetune (the CLIP every stream teaches the other languages, and
         # their frozen teacher; the command's --set are the streams'), the parent of every stream's second language
