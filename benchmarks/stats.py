@@ -206,6 +206,11 @@ def bootstrap(cells: dict[str, dict[int, Stream]], statistics: Sequence[Statisti
         raise ValueError(f"baseline {baseline!r} is not among {', '.join(cells)}")
     hits = {label: {s: _hits(stream) for s, stream in by_seed.items()} for label, by_seed in cells.items()}
     sizes = {s: {task: len(h) for task, (_, h) in hits[next(iter(cells))][s].items()} for s in seeds}
+    for label in cells:
+        for s in seeds:
+            if {task: len(h) for task, (_, h) in hits[label][s].items()} != sizes[s]:
+                raise ValueError(f"{label!r}, seed {s}: other test sets than {next(iter(cells))!r}'s; the rows of one "
+                                 "seed must be evaluated on the same test pairs")
 
     def values(seed: int, weights: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
         out = {}

@@ -113,6 +113,8 @@ def test_bad_inputs_are_one_clear_error():
         stats.bootstrap({"a": {0: a}}, [AA], baseline="finetune", resamples=20)
     with pytest.raises(ValueError, match="resamples must be >= 10"):
         stats.bootstrap({"a": {0: a}}, [AA], resamples=5)
+    with pytest.raises(ValueError, match="'b', seed 0: other test sets than 'a'"):
+        stats.bootstrap({"a": {0: a}, "b": {0: stream(0, KEEPS, n=100)}}, [AA], resamples=20)
     odd = Stream(["t0"], [{"known": {"t0": (np.zeros(4, int), np.zeros(3, int))}}])
     with pytest.raises(ValueError, match="4 image and 3 text queries"):
         stats.bootstrap({"a": {0: odd}}, [AA], resamples=20)
