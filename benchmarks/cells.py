@@ -34,7 +34,7 @@ from clipstream.registry import Registry, RegistryError
 from clipstream.settings import Settings
 from clipstream.training.evaluate import flat_ranks, nested_ranks
 from clipstream.training.job import run_task
-from clipstream.training.methods.config import flatten, resolve
+from clipstream.training.methods.config import flatten, load_presets, resolve
 
 VARY_HELP = ("KEY=V1,V2,...: run each method whose resolved preset has KEY once per value (repeatable: a grid over "
              "every --vary); KEY is a method parameter's name (weight: method.ewc.weight, method.mas.weight, ...) or "
@@ -99,15 +99,15 @@ def expand(streams: dict[str, tuple[str, Sequence[str]]], vary: Sequence[tuple[s
     """The rows: each stream (name -> (preset, its own overrides)) once per combination of the --vary values of the
     keys its resolved preset has (once if it has none; the baseline once). Every row's preset is resolved now: a bad
     value, or a --vary key no stream has, is a ValueError before anything trains."""
-    variants, used = [], set()
+    variants, used, presets = [], set(), load_presets()
     for name, (preset, sets) in streams.items():
-        flat = flatten(resolve(preset, [*overrides, *sets]))
+        flat = flatten(resolve(preset, [*overrides, *sets], presets))
         axes = [] if name == baseline else [(key, keys_of(flat, key), values) for key, values in vary
                                              if keys_of(flat, key)]
         used.update(key for key, _, _ in axes)
         for combo in itertools.product(*(values for _, _, values in axes)):
             extra = [f"{dotted}={value}" for (_, keys, _), value in zip(axes, combo) for dotted in keys]
-            resolve(preset, [*overrides, *sets, *extra])
+            resolve(preset, [*overrides, *sets, *extra], presets)
             variants.append(Variant(" ".join([name, *(f"{key}={value}" for (key, _, _), value in zip(axes, combo))]),
                                     preset, (*sets, *extra)))
     unused = [key for key, _ in vary if key not in used]
