@@ -60,29 +60,62 @@ def recall_at_k(scores: np.ndarray, positive: np.ndarray, ks: Sequence[int] = KS
     return _recall(_first_hit_rank(np.asarray(scores), np.asarray(positive, dtype=bool)), ks)
 
 
-def _directional(queries: np.ndarray, gallery: np.ndarray, positive: np.ndarray) -> dict[int, float]:
-    """recall_at_k of queries against gallery by cosine (dot product of unit rows), in query chunks."""
+def _directional(queries: np.ndarray, gallery: np.ndarray, positive: np.ndarray) -> np.ndarray:
+    """The first-hit rank of each query against gallery by cosine (dot product of unit rows), in query chunks."""
     ranks = [
         _first_hit_rank(queries[s : s + _QUERY_CHUNK] @ gallery.T, positive[s : s + _QUERY_CHUNK])
         for s in range(0, len(queries), _QUERY_CHUNK)
     ]
-    return _recall(np.concatenate(ranks), KS)
+    return np.concatenate(ranks)
 
 
-def _as_percent(i2t: dict[int, float], t2i: dict[int, float]) -> dict[str, float]:
-    out = {f"{name}_R@{k}": 100.0 * r[k] for name, r in (("i2t", i2t), ("t2i", t2i)) for k in KS}
+class Metrics(dict):
+    """One gallery's percent metrics (`i2t_R@1` ... `t2i_R@10`, `Rm`) and `ranks`: the 0-based first-hit rank of
+    every query they came from, (image->text, text->image) int arrays. A bootstrap resamples the queries' ranks
+    (R@K of a sample = the mean of rank < K over it) instead of embedding anything again."""
+
+    def __init__(self, values: dict[str, float], ranks: tuple[np.ndarray, np.ndarray]):
+        super().__init__(values)
+        self.ranks = ranks
+
+
+def _as_percent(i2t_ranks: np.ndarray, t2i_ranks: np.ndarray) -> Metrics:
+    i2t, t2i = np.asarray(i2t_ranks), np.asarray(t2i_ranks)
+    out = {f"{name}_R@{k}": 100.0 * r[k] for name, r in (("i2t", _recall(i2t, KS)), ("t2i", _recall(t2i, KS)))
+           for k in KS}
     out["Rm"] = float(np.mean(list(out.values())))
-    return out
+    return Metrics(out, (i2t, t2i))
 
 
-def metrics_from_ranks(i2t_ranks: np.ndarray, t2i_ranks: np.ndarray) -> dict[str, float]:
+DIRECTIONS = ("i2t", "t2i")  # the order of `Metrics.ranks`
+ZERO_SHOT = "zero_shot"  # beside the gallery modes in a version's ranks: its held-out tasks' (`job.TaskResult.ranks`)
+
+
+def flat_ranks(ranks: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]) -> dict[str, np.ndarray]:
+    """{mode: {task: (i2t, t2i)}} as {"MODE/TASK/i2t": ranks, ...}: the arrays of one npz file (no pickles)."""
+    return {f"{mode}/{task}/{d}": np.asarray(r, dtype=np.int32)
+            for mode, per_task in ranks.items() for task, pair in per_task.items() for d, r in zip(DIRECTIONS, pair)}
+
+
+def nested_ranks(flat: dict[str, np.ndarray]) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """The inverse of flat_ranks."""
+    out: dict[str, dict[str, dict[str, np.ndarray]]] = {}
+    for key, r in flat.items():
+        mode, task, d = key.split("/")
+        out.setdefault(mode, {}).setdefault(task, {})[d] = np.asarray(r)
+    return {mode: {task: tuple(pair[d] for d in DIRECTIONS) for task, pair in per_task.items()}
+            for mode, per_task in out.items()}
+
+
+def metrics_from_ranks(i2t_ranks: np.ndarray, t2i_ranks: np.ndarray) -> Metrics:
     """The same percent metrics from 0-based first-hit ranks computed elsewhere (e.g. through a vector index)."""
-    return _as_percent(_recall(np.asarray(i2t_ranks), KS), _recall(np.asarray(t2i_ranks), KS))
+    return _as_percent(i2t_ranks, t2i_ranks)
 
 
-def retrieval_metrics(img: np.ndarray, txt: np.ndarray, positive: np.ndarray) -> dict[str, float]:
+def retrieval_metrics(img: np.ndarray, txt: np.ndarray, positive: np.ndarray) -> Metrics:
     """Image->text and text->image R@1/5/10 on one gallery plus Rm (their mean), in percent as the
-    papers report. img [N_img, D], txt [N_txt, D], positive bool [N_img, N_txt]."""
+    papers report, with each query's rank (`Metrics.ranks`). img [N_img, D], txt [N_txt, D], positive bool
+    [N_img, N_txt]."""
     positive = np.asarray(positive, dtype=bool)
     return _as_percent(_directional(img, txt, positive), _directional(txt, img, positive.T))
 
@@ -207,8 +240,8 @@ def evaluate_seen(embedded: Sequence[Embedded],
     known, unknown = {}, {}
     for t, (e, g) in enumerate(zip(embedded, galleries)):
         known[e.task] = _as_percent(_directional(e.img, g.txt, e.positive), _directional(e.txt, g.img, e.positive.T))
-        unknown[e.task] = _as_percent(_recall(_union_ranks(e.img, all_txt, union, t, "i2t"), KS),
-                                      _recall(_union_ranks(e.txt, all_img, union, t, "t2i"), KS))
+        unknown[e.task] = _as_percent(_union_ranks(e.img, all_txt, union, t, "i2t"),
+                                      _union_ranks(e.txt, all_img, union, t, "t2i"))
     return {"known": known, "unknown": unknown}
 
 

@@ -136,6 +136,7 @@ class Evaluation(Matrices):
     matrices: dict[str, evaluate.ResultMatrix]  # by name (`MATRICES`): both gallery modes under both index policies
     heatmap: Path
     zero_shot: list[float] = field(default_factory=list)  # mean held-out Rm of each version since the set began
+    ranks: dict = field(default_factory=dict)  # this version's per-query ranks: see TaskResult.ranks
 
 
 @dataclass
@@ -149,6 +150,10 @@ class TaskResult(Matrices):
     skipped: int
     seconds: float
     zero_shot: list[float] = field(default_factory=list)
+    # this version's 0-based first-hit rank of every test query: {mode: {task: (image->text, text->image)}} for each
+    # gallery mode of the evaluation and "zero_shot" (the held-out tasks), so that confidence intervals resample
+    # queries without embedding again (also the run's artifact ranks.npz, `evaluate.flat_ranks`)
+    ranks: dict = field(default_factory=dict)
 
 
 def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[str] = None, workers: int = 2,
@@ -193,7 +198,7 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
     finally:
         shutil.rmtree(plan.workdir, ignore_errors=True)
     return TaskResult(version, run_id, plan.task.name, plan.task_index, result.matrices, result.heatmap,
-                      len(plan.skipped), time.perf_counter() - tic, result.zero_shot)
+                      len(plan.skipped), time.perf_counter() - tic, result.zero_shot, result.ranks)
 
 
 def check_aliases(aliases: Iterable[str]) -> None:
@@ -424,7 +429,13 @@ def evaluate_version(registry: Registry, plan: Plan, trained: Path, plots: Path,
         matrix.add_row(plan.task.name, {task: m["Rm"] for task, m in scores[name].items()})
     log_evaluation(run, scores, matrices, plots, plan.run_name, f"after {plan.task.name}")
     before = (plan.parent.manifest.get("zero_shot") or {}) if plan.parent else {}
-    zero_shot, zero_shot_pairs = evaluate_zero_shot(plan.zero_shot, before, bundle, batch, run)
+    ranks = {mode: {name: m.ranks for name, m in per_task.items()} for mode, per_task in scores.items()}
+    ranks[evaluate.ZERO_SHOT] = {}
+    zero_shot, zero_shot_pairs = evaluate_zero_shot(plan.zero_shot, before, bundle, batch, run,
+                                                    ranks[evaluate.ZERO_SHOT])
+    with tempfile.TemporaryDirectory() as folder:
+        np.savez_compressed(Path(folder) / "ranks.npz", **evaluate.flat_ranks(ranks))
+        run.log_artifacts(folder)
     embedded_pairs = gallery + zero_shot_pairs + reembedded
     if plan.history:  # how the old tasks' test pairs moved from the parent to this version (a version 0 has none)
         before = evaluate.GALLERIES.get(plan.parent.run_id, plan.history, batch)
@@ -447,7 +458,7 @@ def evaluate_version(registry: Registry, plan: Plan, trained: Path, plots: Path,
     evaluate.GALLERIES.put(run.run_id, seen, embedded, batch)  # for the next task's job, whose parent this version will be
     run.log_metrics({"eval/seconds": time.perf_counter() - tic, "eval/cpu_seconds": time.process_time() - cpu,
                         "eval/gallery_pairs": gallery, "eval/embedded_pairs": embedded_pairs})
-    return Evaluation(matrices, plots / f"{plan.run_name}-known.png", zero_shot)
+    return Evaluation(matrices, plots / f"{plan.run_name}-known.png", zero_shot, ranks)
 
 
 MODES = ("known", "unknown")  # task-known and task-unknown galleries
@@ -558,15 +569,17 @@ def log_evaluation(run: RunLog, scores: dict, matrices: dict[str, evaluate.Resul
 
 
 def evaluate_zero_shot(entries: list[dict], before: dict, bundle: models.ClipBundle, batch_size: int,
-                       run: RunLog) -> tuple[list[float], int]:
+                       run: RunLog, ranks: Optional[dict] = None) -> tuple[list[float], int]:
     """Retrieval on the held-out tasks `entries` (each in its own gallery), logged per task and as the mean Rm with
     its drop from the first version evaluated on the same set (`before`: the parent's manifest entry; a stream that
     starts from a version 0 measures from the pretrained model, as the papers do); returns that mean for every such
-    version so far, and the test pairs embedded."""
+    version so far, and the test pairs embedded. `ranks`, if given, receives each task's (i2t, t2i) query ranks."""
     if not entries:
         return [], 0
     embedded = evaluate.embed_tasks(bundle, [_task_of(e) for e in entries], batch_size=batch_size)
     scores = {e.task: evaluate.retrieval_metrics(e.img, e.txt, e.positive) for e in embedded}
+    if ranks is not None:
+        ranks.update({name: m.ranks for name, m in scores.items()})
     for name, metrics in scores.items():
         run.log_metrics({f"eval/zero_shot/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
     same_set = before.get("tasks") == entries  # (same names, paths and data) else the history restarts

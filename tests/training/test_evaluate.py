@@ -16,6 +16,9 @@ from clipstream.training.evaluate import (
     embed_task,
     embed_tasks,
     evaluate_seen,
+    flat_ranks,
+    metrics_from_ranks,
+    nested_ranks,
     positives,
     recall_at_k,
     retrieval_metrics,
@@ -302,6 +305,27 @@ def test_no_reindex_ranks_todays_queries_against_the_galleries_each_version_made
     with pytest.raises(ValueError, match="same rows"):
         evaluate_seen(today, [stored[0], replace(today[1], img=e[2:3], txt=e[2:3], positive=np.eye(1, dtype=bool),
                                                  keys=None, captions=None)])
+
+
+def test_every_query_keeps_its_rank_and_the_metrics_are_its_recall():
+    # the example of test_evaluate_seen_unknown_gallery_distracts: in the union gallery a0, t1, b0 and u0 have one
+    # negative above their positive
+    f = np.float32
+    a = Embedded("A", np.array([[1, 0, 0, 0], [0, 1, 0, 0]], f), np.array([[0.6, 0, 0.8, 0], [0, 0.6, 0, 0.8]], f),
+                 np.eye(2, dtype=bool))
+    b = Embedded("B", np.array([[0, 0, 0, 1]], f), np.array([[0.8, 0, 0, 0.6]], f), np.eye(1, dtype=bool))
+    out = evaluate_seen([a, b])
+    ranks = {mode: {t: tuple(r.tolist() for r in m.ranks) for t, m in per_task.items()}
+             for mode, per_task in out.items()}
+    assert ranks == {"known": {"A": ([0, 0], [0, 0]), "B": ([0], [0])},
+                     "unknown": {"A": ([1, 0], [0, 1]), "B": ([1], [1])}}
+    rng = np.random.default_rng(0)
+    i2t, t2i = rng.integers(0, 30, 50), rng.integers(0, 30, 50)
+    m = metrics_from_ranks(i2t, t2i)
+    assert m["i2t_R@5"] == 100 * np.mean(i2t < 5) and m["t2i_R@10"] == 100 * np.mean(t2i < 10)
+    assert m.ranks[0] is i2t and m.ranks[1] is t2i
+    back = nested_ranks(flat_ranks({"known": {"A": m.ranks}, "zero_shot": {"Z": (i2t[:3], t2i[:3])}}))
+    assert back["known"]["A"][1].tolist() == t2i.tolist() and back["zero_shot"]["Z"][0].tolist() == i2t[:3].tolist()
 
 
 # ---------------------------------------------------------------- ResultMatrix

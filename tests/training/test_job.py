@@ -80,6 +80,16 @@ def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(two_tasks, 
     assert run.data.metrics["zero_shot/drop"] == pytest.approx(zs2["Rm"][0] - zs2["Rm"][1])
     assert run.data.metrics[f"eval/zero_shot/{held_out.name}/i2t_R1"] == pytest.approx(zero_shot["i2t_R@1"])
 
+    # every test query's rank, per gallery mode and the held-out tasks (what a bootstrap resamples): R@K is the
+    # share of ranks below K; the run keeps them as ranks.npz
+    assert set(second.ranks) == {"known", "unknown", "zero_shot"} and "ranks.npz" in artifacts
+    for mode, name in (("known", "task-00-household"), ("unknown", "task-01-furnishing"), ("zero_shot", held_out.name)):
+        i2t, t2i = second.ranks[mode][name]
+        assert len(i2t) == len(t2i) == 24  # the session stream's test pairs per task
+        key = f"eval/{mode}/{name}" if mode != "zero_shot" else f"eval/zero_shot/{name}"
+        assert run.data.metrics[f"{key}/i2t_R1"] == pytest.approx(100 * (i2t < 1).mean())
+        assert run.data.metrics[f"{key}/t2i_R10"] == pytest.approx(100 * (t2i < 10).mean())
+
     # the model learned something on its own task: far above chance (R@1 chance ~ 1/24)
     assert second.known.values[1, 1] > 25
 
