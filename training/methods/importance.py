@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from typing import Callable
 
 import torch
@@ -55,7 +56,10 @@ def per_sample_importance(model: torch.nn.Module, names: list[str], batches: lis
     per_sample = vmap(grad(term), in_dims=(None, 0, 0, 0, None))
     total = {n: torch.zeros(t.shape, dtype=torch.float32, device=t.device) for n, t in theta.items()}
     count = 0
-    with towers(model):
+    with towers(model), warnings.catch_warnings():
+        # torch's fused CPU attention has no vmap rule: vmap runs it sample by sample, which costs little next to the
+        # gradients themselves, and says so on every call
+        warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
         for b in batches:
             image, text = b["image"].to(dtype), b["text"]
             with torch.no_grad():
@@ -99,7 +103,7 @@ class Importance(Method):
     def __init__(self, params: dict):
         super().__init__(params)
         self.task_end_batches = int(params.get("batches", 8))
-        self.chunk = int(params.get("chunk", 8))
+        self.chunk = int(params.get("chunk", 16))
         self.importance: dict[str, torch.Tensor] = {}
         self.tasks = 0
         self._flat = None  # (live parameters, rows pulled, √(weight·Ω), θ*) for this task, on the device

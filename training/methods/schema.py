@@ -71,7 +71,7 @@ class ImportanceParams(Section):  # EWC, MAS (training/methods/importance.py)
     weight: float = Field(ge=0, description="penalty = weight · Σ Ω (θ − θ*)², the pull toward the previous "
                           "task's weights")
     batches: int = Field(8, ge=1, description="last batches of the task that measure the importances")
-    chunk: int = Field(8, ge=1, description="samples whose gradients are taken at once when measuring (memory: "
+    chunk: int = Field(16, ge=1, description="samples whose gradients are taken at once when measuring (memory: "
                        "chunk × the trainable parameters)")
 
 

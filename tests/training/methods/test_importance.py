@@ -1,30 +1,29 @@
 """EWC's and MAS's per-sample importances (training/methods/importance.py, ewc.py, mas.py) on a real tiny open_clip
 model, without Ray: the torch.func measurement equals a loop of one-sample autograd gradients, whatever its chunk, and
-it is not the batch-mean gradient's measure that it replaced."""
+it is not the batch-mean gradient's measure that it replaced (larger: mean g² >= (mean g)²)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
+from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
 
-from clipstream import models
 from clipstream.training.engine import prepare_for_deepspeed
 from clipstream.training.losses import clip_loss
 from clipstream.training.methods import build, resolve
 from clipstream.training.methods.base import TaskContext, forward_features
 
-COLOURS = ("red", "blue", "green", "white", "black", "pink", "grey", "brown", "orange", "purple")
-
 
 @pytest.fixture(scope="module")
 def tiny():
-    """A real tiny CLIP and two batches (5 and 4 pairs: a mean over batches of different sizes)."""
+    """A real open_clip CLIP, smaller than the presets' (a 300-token vocabulary: the loop below takes every weight's
+    gradient once per sample), and two batches of 5 pairs."""
     torch.manual_seed(0)
-    bundle = models.create("clipstream-vit-tiny")
+    model = CLIP(embed_dim=32, vision_cfg=CLIPVisionCfg(layers=2, width=64, head_width=32, patch_size=8, image_size=32),
+                 text_cfg=CLIPTextCfg(context_length=16, vocab_size=300, width=64, heads=2, layers=2))
     g = torch.Generator().manual_seed(2)
-    captions = [f"a {c} square on a plain background" for c in COLOURS[:9]]
-    batches = [{"image": torch.randn(n, 3, 32, 32, generator=g), "text": bundle.tokenizer(texts)}
-               for n, texts in ((5, captions[:5]), (4, captions[5:]))]
-    return prepare_for_deepspeed(bundle.model), batches
+    batches = [{"image": torch.randn(5, 3, 32, 32, generator=g), "text": torch.randint(1, 299, (5, 16), generator=g)}
+               for _ in range(2)]
+    return prepare_for_deepspeed(model), batches
 
 
 def measured(name: str, model, batches, chunk: int):
@@ -35,21 +34,21 @@ def measured(name: str, model, batches, chunk: int):
 
 
 def sample_terms(name: str, model, batch):
-    """Each sample's term as the definition reads, through autograd on the live model: a forward of the whole batch
-    in which only sample i's features carry gradients (the others detached), then EWC's (row i image→text + column i
+    """Each sample's term as the definition reads, through autograd on the live model: the batch's features without
+    gradients, then sample i alone forward, its features put in their place, and EWC's (row i image→text + column i
     text→image cross-entropy) / 2 or MAS's squared norms of sample i's pre-normalisation features."""
-    n = len(batch["image"])
-    for i in range(n):
-        feats = forward_features(model, batch["image"], batch["text"])
-        own = (torch.arange(n) == i)[:, None]
-        image = torch.where(own, feats.image, feats.image.detach())
-        text = torch.where(own, feats.text, feats.text.detach())
+    with torch.no_grad():
+        others = forward_features(model, batch["image"], batch["text"])
+    for i in range(len(batch["image"])):
+        feats = forward_features(model, batch["image"][i:i + 1], batch["text"][i:i + 1])
+        if name == "mas":
+            yield feats.image_raw.pow(2).sum() + feats.text_raw.pow(2).sum()
+            continue
+        image = torch.cat([others.image[:i], feats.image, others.image[i + 1:]])
+        text = torch.cat([others.text[:i], feats.text, others.text[i + 1:]])
         label = torch.tensor([i])
-        if name == "ewc":
-            yield (F.cross_entropy(feats.logit_scale * image[i:i + 1] @ text.T, label)
-                   + F.cross_entropy(feats.logit_scale * text[i:i + 1] @ image.T, label)) / 2
-        else:
-            yield feats.image_raw[i].pow(2).sum() + feats.text_raw[i].pow(2).sum()
+        yield (F.cross_entropy(feats.logit_scale * feats.image @ text.T, label)
+               + F.cross_entropy(feats.logit_scale * feats.text @ image.T, label)) / 2
 
 
 def looped(name: str, model, batches) -> tuple[dict, dict]:
@@ -83,34 +82,36 @@ def batch_mean(name: str, model, batches) -> dict:
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.allclose(a, b, rtol=1e-4, atol=1e-6 * float(b.abs().max()) + 1e-30)
+    return torch.allclose(a, b, rtol=1e-4, atol=1e-6 * float(b.abs().max()))
+
+
+def at_least(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a >= b elementwise, but for the float error of summing the same gradients in another order."""
+    return bool((a >= b - 1e-4 * b - 1e-6 * float(b.max())).all())
 
 
 @pytest.mark.parametrize("name", ["ewc", "mas"])
-def test_per_sample_importance_equals_a_loop_of_one_sample_gradients_at_any_chunk(tiny, name):
+def test_per_sample_importance_equals_a_loop_of_one_sample_gradients_and_exceeds_the_batch_mean_one(tiny, name):
     model, batches = tiny
     expected, mean = looped(name, model, batches)
-    for chunk in (1, 3):  # 3: chunks that do not divide the batches
+    for chunk in (3, 16):  # 3: chunks that do not divide the batches
         method = measured(name, model, batches, chunk)
         assert method.importance.keys() == expected.keys()
         for n, omega in method.importance.items():
-            assert close(omega, expected[n]), (name, chunk, n)
+            assert close(omega, expected[n]), (chunk, n)
         assert method.task_metrics()["importance_seconds"] > 0
+    new = method.importance
     # the mean of the measure is not the measure of the mean (Jensen): larger, strictly so somewhere
     of_mean = {n: (g.pow(2) if name == "ewc" else g.abs()) for n, g in mean.items()}
-    assert all((expected[n] >= v - 1e-6 * float(v.abs().max())).all() for n, v in of_mean.items())
-    gap = sum(float((expected[n] - v).sum()) for n, v in of_mean.items())
+    assert all(at_least(new[n], v) for n, v in of_mean.items())
+    gap = sum(float((new[n] - v).sum()) for n, v in of_mean.items())
     assert gap > 0.1 * sum(float(v.sum()) for v in of_mean.values())
-
-
-def test_the_importances_exceed_the_batch_mean_ones_they_replaced(tiny):
-    model, batches = tiny
-    for name in ("ewc", "mas"):
-        new, old = measured(name, model, batches, 8).importance, batch_mean(name, model, batches)
-        total_new, total_old = (sum(float(v.sum()) for v in d.values()) for d in (new, old))
-        assert total_new > 2 * total_old, name
-        if name == "mas":  # the batch objective is the mean of the samples': mean |g_i| ≥ |mean g_i| everywhere
-            assert all((new[n] >= v - 1e-6 * float(v.abs().max())).all() for n, v in old.items())
-        else:  # the contrastive batch gradient is not the samples' mean: larger on most weights, not on each
-            larger = sum(int((new[n] >= v).sum()) for n, v in old.items()) / sum(v.numel() for v in old.values())
-            assert larger > 0.9, larger
+    # against what it replaced, the measure of each batch's mean gradient: for MAS, whose batch objective is the mean
+    # of the samples', that is the Jensen bound above per batch, on every weight; EWC's contrastive batch gradient is
+    # not the samples' mean, and its measure is larger in every tensor and on most weights
+    old = batch_mean(name, model, batches)
+    if name == "mas":
+        assert all(at_least(new[n], v) for n, v in old.items())
+    assert all(float(new[n].sum()) > float(v.sum()) for n, v in old.items() if v.any())
+    assert sum(int((new[n] >= v).sum()) for n, v in old.items()) > 0.85 * sum(v.numel() for v in old.values())
+    assert sum(float(v.sum()) for v in new.values()) > 1.3 * sum(float(v.sum()) for v in old.values())
