@@ -82,9 +82,9 @@ class LwFParams(Section):
 
 class ERParams(Section):
     buffer_pairs: Optional[int] = Field(None, ge=0, description="image-text pairs kept over the whole stream, a "
-                                        "reservoir sample; or null and buffer_fraction")
+                                        "reservoir sample (null: buffer_fraction sizes the buffer)")
     buffer_fraction: Optional[float] = Field(None, gt=0, le=1, description="share of the pairs seen so far that is "
-                                             "kept, each with this probability; or null and buffer_pairs")
+                                             "kept, each with this probability (null: buffer_pairs sizes the buffer)")
     seed: int = Field(0, ge=0, description="seed of the buffer's sampling")
 
     @model_validator(mode="after")
