@@ -83,6 +83,8 @@ class Plan:
     aliases: tuple[str, ...] = ()  # set on the new version besides `candidate` (a stream's jobs chain by them)
     zero_shot: list[dict] = field(default_factory=list)  # held-out tasks (lineage-style entries), never trained on
     grown: Optional[Path] = None  # the model folder the method made to train instead (CLL-CLIP: vocabulary grown)
+    start_source: Optional[str] = None  # the stream's start model, for a method that trains from it (joint)
+    started_from: str = ""  # the weights the job starts from, in words (recorded in the run: param `start_model`)
     teacher_source: Optional[str] = None  # the frozen teacher's folder or pretrained model; None: no teacher
     state_path: Optional[Path] = None  # the method state the workers start from, as the driver holds it
     generation: int = 0  # versions the task had from this parent, method and data when the job was asked (retrain)
@@ -108,10 +110,13 @@ class Plan:
 
     @property
     def model_source(self) -> Optional[str]:
-        """What the job trains: the method's grown folder, else the parent's exported folder, else the preset's
-        pretrained tag or checkpoint (None = random init)."""
+        """What the job trains: the method's grown folder, else the stream's start model where the method trains
+        from it (`start_source`), else the parent's exported folder, else the preset's pretrained tag or checkpoint
+        (None = random init)."""
         if self.grown:
             return str(self.grown)
+        if self.start_source:
+            return self.start_source
         return str(self.parent.folder) if self.parent else self.config["model"]["pretrained"]
 
 
@@ -279,8 +284,15 @@ def zero_shot_entries(dirs: Iterable[str | Path], parent: Optional[Version], tra
 
 
 def _prepare_model(registry: Registry, plan: Plan) -> None:
-    """What the method makes of the starting model (CLL-CLIP grows it; its state then goes to the workers from
-    the workdir) and the teacher: the one the method pins for its stream, else the parent."""
+    """The starting weights (the parent's, or the stream's start model for a method that trains from it: joint),
+    what the method makes of them (CLL-CLIP grows them; its state then goes to the workers from the workdir) and
+    the teacher: the one the method pins for its stream, else the parent."""
+    if plan.parent and plan.method.starts_from_stream_start:
+        plan.start_source, plan.started_from = stream_start(registry, plan.parent, plan.workdir)
+    elif plan.parent:
+        plan.started_from = f"parent v{plan.parent.version}"
+    else:
+        plan.started_from = _initial_weights(plan.config)
     source = plan.model_source
     plan.grown = plan.method.prepare_version(source, plan.parent.version if plan.parent else None, plan.config,
                                              plan.current, plan.history, plan.workdir)
@@ -290,6 +302,36 @@ def _prepare_model(registry: Registry, plan: Plan) -> None:
         plan.teacher_source = str(registry.resolve(pinned["version"]).folder)
     else:
         plan.teacher_source = pinned["source"] if pinned else (str(plan.parent.folder) if plan.parent else None)
+
+
+def stream_start(registry: Registry, version: Version, workdir: Path) -> tuple[str, str]:
+    """The model the stream of `version` started from, as `models.create` loads it, and in words: its version 0
+    (`clipstream register --from`: the root of the parent chain, with an empty lineage), else the weights its first
+    trained version started from: that job's pretrained tag or checkpoint, or its seeded random init made again
+    into `workdir` (rank 0's, which DeepSpeed broadcasts to the other workers: `engine.train_loop` seeds with
+    train.seed + rank before it creates the model)."""
+    root = version
+    while root.tags.get("parent_version"):  # (tags only: the versions in between are not downloaded)
+        root = registry.resolve(root.tags["parent_version"], download=False)
+    root = registry.resolve(root.version)
+    if not root.lineage:
+        return str(root.folder), f"version 0 (v{root.version})"
+    config = root.manifest["config"]
+    model, seed = config["model"], config["train"]["seed"]
+    if model["pretrained"]:
+        return model["pretrained"], f"{_initial_weights(config)} (as v{root.version})"
+    with torch.random.fork_rng(devices=[]):  # the caller's generator is left as it was
+        torch.manual_seed(seed)
+        bundle = models.create(model["arch"])
+    return str(models.export(bundle, workdir / "start")), f"{_initial_weights(config)} (as v{root.version})"
+
+
+def _initial_weights(config: dict) -> str:
+    """The weights a stream's first job starts from, in words."""
+    model = config["model"]
+    if model["pretrained"]:
+        return f"pretrained {model['arch']}:{model['pretrained']}"
+    return f"random init of {model['arch']}, seed {config['train']['seed']}"
 
 
 def _check_data(plan: Plan) -> None:
@@ -314,7 +356,7 @@ def fit(plan: Plan, settings: Settings, run: RunLog) -> Path:
     metrics there); returns the trained open_clip export (with the method state) staged in the job's workdir."""
     config, train = plan.config, plan.config["train"]
     run.log_params({**flatten(config), "task": plan.task.name, "parent": plan.tags["parent_version"],
-                    "workers": plan.workers, "train_rows": plan.rows})
+                    "workers": plan.workers, "train_rows": plan.rows, "start_model": plan.started_from})
     run.log_dict(config, "config.json")
     run.log_metrics({"data/skipped_rows": len(plan.skipped)})
     bundle = models.create(config["model"]["arch"], plan.model_source)

@@ -48,7 +48,8 @@ def _parent(settings, stream, method: str) -> str:
 
 
 def train(settings, stream, method: str, stage: int, parent: str | None) -> dict:
-    """One job's training at ZeRO `stage`: its logged losses by term, exported weights and method state."""
+    """One job's training at ZeRO `stage`: its logged losses by term, its run's metrics, exported weights and method
+    state."""
     registry = Registry(settings)
     # C-CLIP's adapter dropout draws its masks from torch's generator whenever a weight is read, which ZeRO-3's
     # gathering does a different number of times: a different draw, not different maths, so it is off here
@@ -61,7 +62,9 @@ def train(settings, stream, method: str, stage: int, parent: str | None) -> dict
             trained = fit(plan, settings, run)
             losses = {key: [m.value for m in sorted(run.metric_history(key), key=lambda m: m.step)]
                       for key in ["loss", *(f"loss/{t}" for t in TERMS[method])]}
-        return {"losses": losses, "weights": load_file(trained / models.WEIGHTS_FILE), "state": load_state(trained)}
+            metrics = run.metrics()
+        return {"losses": losses, "weights": load_file(trained / models.WEIGHTS_FILE), "state": load_state(trained),
+                "metrics": metrics}
     finally:
         shutil.rmtree(plan.workdir, ignore_errors=True)
 
@@ -86,9 +89,10 @@ def test_every_method_trains_the_same_at_zero_0_2_and_3(ray_cluster, settings, s
         assert max(abs(v) for v in runs[0]["losses"][f"loss/{term}"]) > 1e-6, term
     for stage in (2, 3):
         assert_same_training(runs[0], runs[stage])
-    if method == "ewc":  # the importances measured at task end, under ZeRO-3 from gathered gradients
+    if method == "ewc":  # the per-sample importances measured at task end, under ZeRO-3 on the gathered weights
         for name, omega in runs[0]["state"]["ewc"]["importance"].items():
             assert torch.allclose(omega, runs[3]["state"]["ewc"]["importance"][name], rtol=1e-3, atol=1e-9), name
+        assert all(run["metrics"]["method/importance_seconds"] > 0 for run in runs.values())
     if method == "ctp":  # the momentum model, updated from the live weights every step
         for name, value in runs[0]["state"]["ctp"]["momentum"].items():
             assert torch.allclose(value, runs[3]["state"]["ctp"]["momentum"][name], atol=ATOL_WEIGHT), name
