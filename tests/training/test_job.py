@@ -5,8 +5,8 @@ import time
 
 import numpy as np
 import pytest
-import yaml
 import torch
+import yaml
 from mlflow import MlflowClient
 
 from clipstream import models
@@ -131,7 +131,7 @@ class _ByClassName:
 
 def test_zero_shot_classification_prompts_the_task_classes_and_leaves_out_what_has_no_label(tmp_path):
     out = tmp_path / "d"
-    synthesize(out, tasks=1, train_pairs=60, test_per_task=12, image_size=16, digits=False, progress=False)
+    synthesize(out, tasks=1, train_pairs=40, test_per_task=12, image_size=16, digits=False, progress=False)
     task = Task.load(out / HELD_OUT_DIGITS)
     rows = task.check("test").rows
     bundle = _ByClassName(task.classes)

@@ -12,9 +12,9 @@ from PIL import Image
 
 from clipstream.training.data.synth import (
     COLOURS,
-    DOMAINS,
     DIGIT_NAMES,
     DIGIT_PROMPTS,
+    DOMAINS,
     HELD_OUT,
     HELD_OUT_DIGITS,
     P9D_SHARES,
