@@ -22,7 +22,7 @@ from clipstream.benchmarks import cells, report, stats
 from clipstream.benchmarks.stats import Statistic
 from clipstream.settings import Settings, configure_process
 from clipstream.training.data.synth import _DIGITS_MAX_TEST as DIGITS_MAX_TEST
-from clipstream.training.data.synth import held_out_task, synthesize
+from clipstream.training.data.synth import held_out_tasks, synthesize
 from clipstream.training.evaluate import KS
 from clipstream.training.methods import build
 from clipstream.training.methods.config import load_presets, method_presets, resolve
@@ -202,7 +202,7 @@ def methods(settings: Settings, tasks: int = 3, seeds: Sequence[int] = (0, 1, 2)
         root = settings.data_dir / f"bench-methods-{cells.Cache.digest(data)[:10]}-s{seed}"
         dirs = cells.seed_data(root, lambda r: synthesize(r, tasks=tasks, seed=seed, test_per_task=test_per_task))
         done = cells.run_seed(settings, "methods", seed, dirs, variants, first, workers, [*seeded(seed), *overrides],
-                              store, key, [held_out_task(root)])
+                              store, key, held_out_tasks(root))
         for label, cell in done.items():
             results[label][seed] = cell
     streams = cells.streams(results)

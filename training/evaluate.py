@@ -499,3 +499,37 @@ def format_scores(scores: dict[str, dict[str, dict[str, float]]]) -> str:
 # the test-split vectors of the last version this process evaluated: the next task's job, when it runs in this process
 # too (a stream of `clipstream demo`, a benchmark), takes its parent's from here instead of embedding them again
 GALLERIES = GalleryCache(keep=1)
+
+
+# Zero-shot classification as the CLIP papers measure it: each image's class is the class name whose prompts its
+# vector is closest to. open_clip's zero-shot classifier: every template filled with the class name, the unit text
+# vectors averaged over the templates and renormalised. A task may give its own `templates` (task.yaml), as
+# open_clip's per-dataset ones; these are the generic ones.
+TEMPLATES = ("a photo of a {}.", "a {}.", "a photo of the {}.", "an image of a {}.")
+
+
+def class_vectors(bundle, classes: Sequence[str], templates: Sequence[str] = TEMPLATES,
+                  batch_size: int = 256) -> np.ndarray:
+    """[C, D] unit rows: class c's prompts (`templates` with c in place of `{}`) embedded by `bundle`, averaged,
+    renormalised."""
+    if not classes or not templates:
+        raise ValueError(f"class_vectors needs classes and templates, got {len(classes)} and {len(templates)}")
+    prompts = bundle.embed_texts([t.replace("{}", str(c)) for c in classes for t in templates], batch_size)
+    mean = prompts.reshape(len(classes), len(templates), -1).mean(axis=1)
+    return mean / np.linalg.norm(mean, axis=1, keepdims=True)
+
+
+def classification_accuracy(img: np.ndarray, classes: np.ndarray, labels: Sequence[int]) -> dict[str, float]:
+    """Top-1 (and top-5 when there are more than 5 classes) accuracy in percent of the images `img` [N, D]
+    against the class vectors `classes` [C, D] (cosine of unit rows), `labels` [N] the index of each image's class.
+    Ties count against the true class, as in retrieval (`_first_hit_rank`): a class scoring the same is ranked
+    above it."""
+    labels = np.asarray(labels)
+    if len(labels) != len(img) or not len(img):
+        raise ValueError(f"{len(img)} images but {len(labels)} labels (need one per image, at least one)")
+    if labels.min() < 0 or labels.max() >= len(classes):
+        raise ValueError(f"labels must index the {len(classes)} classes, got values in [{labels.min()}, {labels.max()}]")
+    own = np.zeros((len(img), len(classes)), dtype=bool)
+    own[np.arange(len(img)), labels] = True
+    ranks = _first_hit_rank(img @ classes.T, own)
+    return {f"top{k}": 100.0 * float(np.mean(ranks < k)) for k in (1, 5) if k == 1 or len(classes) > 5}

@@ -3,8 +3,9 @@
     prepare  → the config, the method, the parent version and checked data; nothing runs yet
     fit      → a Ray Train `TorchTrainer` of DeepSpeed workers (`engine.train_loop`); the trained export
     evaluate → the new version on every task seen so far: one more row of R[i][j], plots, diagnostics; and on
-               the stream's held-out zero-shot tasks, which no version trains on (retention: the drop from the
-               first version evaluated on them)
+               the stream's held-out zero-shot tasks, which no version trains on: retrieval, and prompted
+               class-name classification where their rows carry labels (retention: the drop from the first
+               version evaluated on them)
     register → the export + what the next task needs, as a new MLflow model version (alias `candidate`)
 
 `run_task` runs them inside the task's MLflow run; each step can also be called (and tested) alone.
@@ -142,6 +143,7 @@ class Evaluation(Matrices):
     heatmap: Path
     zero_shot: list[float] = field(default_factory=list)  # mean held-out Rm of each version since the set began
     ranks: dict = field(default_factory=dict)  # this version's per-query ranks: see TaskResult.ranks
+    zero_shot_accuracy: list[float] = field(default_factory=list)  # mean held-out top-1 accuracy, as zero_shot
 
 
 @dataclass
@@ -155,6 +157,7 @@ class TaskResult(Matrices):
     skipped: int
     seconds: float
     zero_shot: list[float] = field(default_factory=list)
+    zero_shot_accuracy: list[float] = field(default_factory=list)  # [] when no held-out task has labels
     # this version's 0-based first-hit rank of every test query: {mode: {task: (image->text, text->image)}} for each
     # gallery mode of the evaluation and "zero_shot" (the held-out tasks), so that confidence intervals resample
     # queries without embedding again (also the run's artifact ranks.npz, `evaluate.flat_ranks`)
@@ -203,7 +206,8 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
     finally:
         shutil.rmtree(plan.workdir, ignore_errors=True)
     return TaskResult(version, run_id, plan.task.name, plan.task_index, result.matrices, result.heatmap,
-                      len(plan.skipped), time.perf_counter() - tic, result.zero_shot, result.ranks)
+                      len(plan.skipped), time.perf_counter() - tic, result.zero_shot, result.zero_shot_accuracy,
+                      result.ranks)
 
 
 def check_aliases(aliases: Iterable[str]) -> None:
@@ -473,8 +477,8 @@ def evaluate_version(registry: Registry, plan: Plan, trained: Path, plots: Path,
     before = (plan.parent.manifest.get("zero_shot") or {}) if plan.parent else {}
     ranks = {mode: {name: m.ranks for name, m in per_task.items()} for mode, per_task in scores.items()}
     ranks[evaluate.ZERO_SHOT] = {}
-    zero_shot, zero_shot_pairs = evaluate_zero_shot(plan.zero_shot, before, bundle, batch, run,
-                                                    ranks[evaluate.ZERO_SHOT])
+    zero_shot, zero_shot_pairs, zero_shot_accuracy = evaluate_zero_shot(plan.zero_shot, before, bundle, batch, run,
+                                                                        ranks[evaluate.ZERO_SHOT])
     with tempfile.TemporaryDirectory() as folder:
         np.savez_compressed(Path(folder) / "ranks.npz", **evaluate.flat_ranks(ranks))
         run.log_artifacts(folder)
@@ -500,7 +504,7 @@ def evaluate_version(registry: Registry, plan: Plan, trained: Path, plots: Path,
     evaluate.GALLERIES.put(run.run_id, seen, embedded, batch)  # for the next task's job, whose parent this version will be
     run.log_metrics({"eval/seconds": time.perf_counter() - tic, "eval/cpu_seconds": time.process_time() - cpu,
                         "eval/gallery_pairs": gallery, "eval/embedded_pairs": embedded_pairs})
-    return Evaluation(matrices, plots / f"{plan.run_name}-known.png", zero_shot, ranks)
+    return Evaluation(matrices, plots / f"{plan.run_name}-known.png", zero_shot, ranks, zero_shot_accuracy)
 
 
 MODES = ("known", "unknown")  # task-known and task-unknown galleries
@@ -611,23 +615,52 @@ def log_evaluation(run: RunLog, scores: dict, matrices: dict[str, evaluate.Resul
 
 
 def evaluate_zero_shot(entries: list[dict], before: dict, bundle: models.ClipBundle, batch_size: int,
-                       run: RunLog, ranks: Optional[dict] = None) -> tuple[list[float], int]:
-    """Retrieval on the held-out tasks `entries` (each in its own gallery), logged per task and as the mean Rm with
-    its drop from the first version evaluated on the same set (`before`: the parent's manifest entry; a stream that
-    starts from a version 0 measures from the pretrained model, as the papers do); returns that mean for every such
-    version so far, and the test pairs embedded. `ranks`, if given, receives each task's (i2t, t2i) query ranks."""
+                       run: RunLog, ranks: Optional[dict] = None) -> tuple[list[float], int, list[float]]:
+    """Retrieval on the held-out tasks `entries` (each in its own gallery), and zero-shot classification on those
+    whose test rows carry a `label` of the task's `classes` (`zero_shot_classification`), logged per task and as the
+    means (Rm, top-1 accuracy) with their drop from the first version evaluated on the same set (`before`: the
+    parent's manifest entry; a stream that starts from a version 0 measures from the pretrained model, as the papers
+    do). Returns the mean Rm of every such version so far, the test pairs embedded, and the mean accuracy of every
+    such version so far ([] when no held-out task is labelled). `ranks`, if given, receives each task's (i2t, t2i)
+    query ranks."""
     if not entries:
-        return [], 0
-    embedded = evaluate.embed_tasks(bundle, [_task_of(e) for e in entries], batch_size=batch_size)
+        return [], 0, []
+    tasks = [_task_of(e) for e in entries]
+    embedded = evaluate.embed_tasks(bundle, tasks, batch_size=batch_size)
     scores = {e.task: evaluate.retrieval_metrics(e.img, e.txt, e.positive) for e in embedded}
     if ranks is not None:
         ranks.update({name: m.ranks for name, m in scores.items()})
     for name, metrics in scores.items():
         run.log_metrics({f"eval/zero_shot/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
+    accuracy = {task.name: acc for task, e in zip(tasks, embedded)
+                if (acc := zero_shot_classification(bundle, task, e.img, batch_size))}
+    for name, metrics in accuracy.items():
+        run.log_metrics({f"eval/zero_shot/{name}/{k}": v for k, v in metrics.items()})
     same_set = before.get("tasks") == entries  # (same names, paths and data) else the history restarts
     history = [*(before.get("Rm", []) if same_set else []), float(np.mean([m["Rm"] for m in scores.values()]))]
     run.log_metrics({"zero_shot/Rm": history[-1], "zero_shot/drop": history[0] - history[-1]})
-    return history, sum(len(e.txt) for e in embedded)
+    accuracies = []
+    if accuracy:
+        accuracies = [*(before.get("accuracy", []) if same_set else []),
+                      float(np.mean([m["top1"] for m in accuracy.values()]))]
+        run.log_metrics({"zero_shot/accuracy": accuracies[-1], "zero_shot/accuracy_drop": accuracies[0] - accuracies[-1]})
+    return history, sum(len(e.txt) for e in embedded), accuracies
+
+
+def zero_shot_classification(bundle: models.ClipBundle, task: Task, img: np.ndarray,
+                             batch_size: int) -> Optional[dict[str, float]]:
+    """Top-1 (top-5) accuracy of the task's test images `img` (embedded in the order of its checked rows), each
+    classified among the task's `classes` by their prompts (its `templates`, else `evaluate.TEMPLATES`); the rows
+    without a `label` are left out. None when the task names no classes or no row has a label."""
+    if not task.classes:
+        return None
+    rows = task.check("test").rows
+    labelled = [i for i, r in enumerate(rows) if r.get("label") is not None]
+    if not labelled:
+        return None
+    index = {c: k for k, c in enumerate(task.classes)}
+    vectors = evaluate.class_vectors(bundle, task.classes, task.templates or evaluate.TEMPLATES, batch_size)
+    return evaluate.classification_accuracy(img[labelled], vectors, [index[str(rows[i]["label"])] for i in labelled])
 
 
 def register(registry: Registry, plan: Plan, trained: Path, result: Evaluation, run_id: str) -> str:
@@ -637,7 +670,8 @@ def register(registry: Registry, plan: Plan, trained: Path, result: Evaluation, 
         "lineage": [*plan.history, plan.current],
         "matrix": {name: matrix.to_dict() for name, matrix in result.matrices.items()},
         "config": plan.config, "parent_version": plan.tags["parent_version"],
-        "zero_shot": {"tasks": plan.zero_shot, "Rm": result.zero_shot} if plan.zero_shot else None,
+        "zero_shot": {"tasks": plan.zero_shot, "Rm": result.zero_shot, "accuracy": result.zero_shot_accuracy}
+        if plan.zero_shot else None,
         "unchanged_towers": [t for t in ("image", "text") if plan.parent and t not in plan.method.trains_towers],
         "image_tower": plan.parent.image_tower if plan.parent and "image" not in plan.method.trains_towers else None},
         plan.tags, plan.aliases, run_id)

@@ -9,10 +9,13 @@ from PIL import Image
 from clipstream.training.evaluate import (
     BASELINE,
     KS,
+    TEMPLATES,
     Embedded,
     GalleryCache,
     ResultMatrix,
     UnionPositives,
+    class_vectors,
+    classification_accuracy,
     embed_task,
     embed_tasks,
     evaluate_seen,
@@ -641,3 +644,42 @@ def test_each_version_embeds_each_gallery_once_and_the_next_job_reuses_its_paren
 def test_curves_draw_each_tasks_rm_from_the_task_that_brought_it(tmp_path):
     path = matrix().curves(tmp_path / "plots" / "recall.png", title="test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+# ---------------------------------------------------------------- zero-shot classification
+
+
+def test_classification_accuracy_hand_computed_top1_top5_and_pessimistic_ties():
+    classes = np.eye(7, dtype=np.float32)  # 7 classes: top-5 is reported too
+    img = np.zeros((4, 7), np.float32)
+    img[0, [2, 4]] = [1.0, 0.5]  # class 2 first, 4 second
+    img[1, [2, 4]] = [1.0, 0.5]
+    img[2] = np.array([7, 6, 5, 4, 3, 2, 1], np.float32)  # class 6 is last of seven
+    img[3, [1, 3]] = [0.8, 0.8]  # a tie between its class and another
+    acc = classification_accuracy(img, classes, [2, 4, 6, 3])
+    # image 0 right; image 1's class second (top-5 hit); image 2's seventh (a miss); image 3's tie counts against it
+    assert acc == {"top1": 25.0, "top5": 75.0}
+    assert classification_accuracy(img[:, :5], classes[:5, :5], [2, 4, 4, 3]) == {"top1": 25.0}  # 5 classes: no top-5
+    assert classification_accuracy(img, classes, [2, 2, 0, 1]) == {"top1": 75.0, "top5": 100.0}  # (3: the tie)
+    for labels in ([2, 4, 6], [2, 4, 6, 7], [2, 4, 6, -1]):
+        with pytest.raises(ValueError):
+            classification_accuracy(img, classes, labels)
+
+
+def test_class_vectors_average_each_class_prompts_and_renormalise():
+    import torch
+
+    from clipstream import models
+
+    torch.manual_seed(0)
+    bundle = models.create("clipstream-vit-tiny")
+    classes, templates = ["kite", "drum", "robot"], ["a photo of a {}.", "a {} on a table"]
+    vectors = class_vectors(bundle, classes, templates, batch_size=4)  # batches across the classes' prompts
+    assert vectors.shape == (3, bundle.embed_texts(["x"]).shape[1])
+    for row, name in zip(vectors, classes):  # class-major: row c is c's prompts, and no other class's
+        mean = bundle.embed_texts([t.replace("{}", name) for t in templates]).mean(axis=0)
+        np.testing.assert_allclose(row, mean / np.linalg.norm(mean), atol=1e-5)
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    assert len(TEMPLATES) > 1 and all(t.count("{}") == 1 for t in TEMPLATES)
+    with pytest.raises(ValueError):
+        class_vectors(bundle, [], templates)
