@@ -2,7 +2,9 @@
 Herranz and van de Weijer, arXiv:2104.06806). A stream is trained with one method; after each task its
 gallery is indexed twice, once per policy (no-reindex: only the new task, embedded by the new version;
 reindex: every task re-embedded by it). At the end, queries from the last version are ranked through each
-index, task-known and task-unknown. Writes benchmarks/results/index-policy.md.
+index, task-known and task-unknown, and checked against the final row of the R matrices the jobs' evaluation
+logged under each policy (`training.job.evaluate_version`), which the report shows in full, row by row.
+Writes benchmarks/results/index-policy.md.
 
 Each reindex is also run a second time with its stored image vectors re-embedded rather than kept, on an index
 of its own: the seconds between the two are what a version whose image tower did not change (CLL-CLIP's, on a
@@ -13,6 +15,7 @@ that the method then teaches the other languages.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -23,10 +26,10 @@ from clipstream.index import NO_REINDEX, POLICIES, REINDEX, open_index
 from clipstream.indexing import evaluate_through_index, index_task
 from clipstream.registry import Registry
 from clipstream.settings import Settings, configure_process
-from clipstream.training import evaluate
+from clipstream.training import evaluate, job
 from clipstream.training.data.synth import synthesize, synthesize_languages
 from clipstream.training.data.task import Task
-from clipstream.training.job import run_task
+from clipstream.training.job import NOREINDEX, run_task
 
 COLUMNS = ("i2t_R@1", "i2t_R@10", "t2i_R@1", "t2i_R@10")
 
@@ -62,12 +65,12 @@ def index_policy(settings: Settings, tasks: int = 3, seed: int = 0, method: str 
     gallery = {"test_per_task": test_per_task} if test_per_task else {}
     dirs = (synthesize_languages(settings.data_dir / stream, languages, seed=seed, **gallery) if languages else
             synthesize(settings.data_dir / stream, tasks=tasks, seed=seed, digits=False, **gallery))
-    parent, costs = None, []
+    parent, costs, result = None, [], None
     for i, folder in enumerate(dirs):
         trainer = "finetune" if languages and i == 0 else method
         print(f"== {folder.name}: train ({trainer}), then index under both policies", flush=True)
-        parent = run_task(folder, trainer, parent, workers, train_sets if trainer == method else seeded(seed),
-                          settings).version
+        result = run_task(folder, trainer, parent, workers, train_sets if trainer == method else seeded(seed), settings)
+        parent = result.version
         seconds = {}
         for policy, reuse in [*((p, True) for p in POLICIES), (REINDEX, False)]:
             tic = time.perf_counter()
@@ -78,19 +81,59 @@ def index_policy(settings: Settings, tasks: int = 3, seed: int = 0, method: str 
 
     bundle = Registry(settings).load(parent)
     task_list = [Task.load(d) for d in dirs]
-    results = {"in memory (= reindex)": evaluate.evaluate_seen([evaluate.embed_task(bundle, t) for t in task_list])}
+    results = {"in memory (= reindex)": evaluate.evaluate_seen(evaluate.embed_tasks(bundle, task_list))}
     for policy in POLICIES:
         with open_index(settings, f"{stream}-{policy}") as index:
             results[policy] = evaluate_through_index(index, bundle, task_list)
     return index_policy_report(results, [t.name for t in task_list], tasks, seed, method, overrides, out, costs,
-                               languages, test_per_task)
+                               languages, test_per_task, result.matrices)
+
+
+# the R matrices of the evaluation, by name in `TaskResult.matrices`: (index policy, gallery mode), in report order
+MATRICES = {name: (NO_REINDEX if name.startswith(NOREINDEX) else REINDEX, name.removeprefix(NOREINDEX))
+            for name in job.MATRICES}
+
+
+def matrix_sections(matrices: dict[str, evaluate.ResultMatrix], results: dict) -> list[str]:
+    """The evaluation's R matrices under both policies (Rm, row i after task i, with AA, forgetting and BWT), then
+    its final rows beside the same queries ranked through each policy's index (`results`): the two paths agree up
+    to the index's float rounding and its top-k cut, so a difference there is a bug in one of them."""
+    lines = ["## R matrices of the evaluation (Rm), both policies", "",
+             "R[i][j] = Rm after task i on task j, as each version's evaluation logged it: reindex ranks every gallery "
+             "as the evaluated version embeds it; no-reindex ranks that version's queries against each task's gallery "
+             "as the version trained on it embedded it (task-unknown: the union of those).", ""]
+    for name, (policy, mode) in MATRICES.items():
+        matrix = matrices.get(name)
+        if matrix is None:
+            continue
+        labels, values = matrix.shown()
+        rows = [[label, *[f"{v:.1f}" if math.isfinite(v) else "" for v in row],
+                 f"{matrix.average_accuracy(i - (len(labels) - len(matrix.tasks))):.1f}"
+                 if label in matrix.tasks else ""] for i, (label, row) in enumerate(zip(labels, values))]
+        lines += [f"### {policy}, task-{mode}", "", *report.table(["after \\ on", *matrix.columns, "AA"], rows), "",
+                  f"AA {matrix.average_accuracy():.1f}, forgetting {matrix.mean_forgetting():.1f}, "
+                  f"BWT {matrix.bwt():+.1f}", ""]
+    rows = []
+    for name, (policy, mode) in MATRICES.items():
+        if name in matrices and policy in results:
+            final = matrices[name].values[-1]
+            for j, task in enumerate(matrices[name].tasks):
+                through = results[policy][mode][task]["Rm"]
+                rows.append([policy, f"task-{mode}", task, f"{final[j]:.2f}", f"{through:.2f}",
+                             f"{through - final[j]:+.2f}"])
+    if rows:
+        lines += ["### Final row: the evaluation against the index", "",
+                  *report.table(["policy", "gallery", "task", "Rm, evaluation", "Rm, through the index", "difference"],
+                                rows), ""]
+    return lines
 
 
 def index_policy_report(results: dict, names: list[str], tasks: int, seed: int, method: str,
                         overrides: Iterable[str], out: Path, costs: list = (), languages: int = 0,
-                        test_per_task: int | None = None) -> str:
+                        test_per_task: int | None = None, matrices: dict | None = None) -> str:
     """Write the markdown tables of `index_policy` to `out`: per policy and mode, R@K of each task and their mean;
-    then the seconds each indexing took, and what keeping the stored image vectors saved."""
+    then the seconds each indexing took, and what keeping the stored image vectors saved; then the evaluation's R
+    matrices (`matrices`, by name as `TaskResult.matrices` holds them) and their final rows against the index's."""
     sets = "".join(f" --set {o}" for o in overrides)
     what = (f"{languages} language tasks (English trained with `finetune`, then `{method}`)" if languages
             else f"{tasks} synthetic domain tasks, `{method}`")
@@ -120,6 +163,8 @@ def index_policy_report(results: dict, names: list[str], tasks: int, seed: int, 
                 rows.append([policy, name, *([scores[mode][name][c] for c in COLUMNS] if name != "mean" else
                                              [sum(scores[mode][n][c] for n in names) / len(names) for c in COLUMNS])])
         lines += [f"## Task-{mode}", "", *report.table(["policy", "task", *COLUMNS], rows), ""]
+    if matrices:
+        lines += matrix_sections(matrices, results)
     figure = plot(results, names, Path(out).with_suffix(".png"))
     lines[5:5] = [f"![R@10 of each task through each policy, task-known and task-unknown]({figure.name})", ""]
     return report.write(out, lines)

@@ -7,22 +7,34 @@ one version each method learns the K-1 synthetic languages in turn, training the
 - teir: CLL-CLIP with TEIR (new rows from the old table's statistics, λ-scaled gradients and decay).
 
 Reported from each stream's task-known R matrix (Rm, mean of R@1/5/10 both directions, per language's own test
-gallery): AA, mean forgetting, forgetting on English. Writes benchmarks/results/languages.md and .png.
+gallery) over several seeds, each the mean with a 95% confidence interval (`benchmarks/stats.py`): AA, mean
+forgetting, forgetting on English, English at the end, task-unknown AA and R@1/5/10, and each stream's paired
+difference against `embeddings` (the plain fine-tuning of the token embeddings). Each (stream, seed) is a cached cell
+(`benchmarks/cells.py`); the English version is trained once per seed and shared. Writes
+benchmarks/results/languages.md (+ .png, -forest.png).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from clipstream.benchmarks import report
-from clipstream.benchmarks.continual_methods import add_training_arguments, seeded, training_sets
+import numpy as np
+
+from clipstream.benchmarks import cells, report, stats
+from clipstream.benchmarks.continual_methods import (
+    TEST_PER_TASK,
+    add_cell_arguments,
+    add_training_arguments,
+    check_cells,
+    seeded,
+    training_sets,
+)
+from clipstream.benchmarks.stats import Statistic
 from clipstream.settings import Settings, configure_process
 from clipstream.training.data.synth import synthesize_languages
-from clipstream.training.evaluate import ResultMatrix
-from clipstream.training.job import run_task
+from clipstream.training.evaluate import KS, ResultMatrix
 
 # name -> (preset, overrides)
 STREAMS = {
@@ -30,6 +42,7 @@ STREAMS = {
     "cllclip": ("cllclip", []),
     "teir": ("teir", []),
 }
+BASELINE = "embeddings"  # the paired differences' baseline: the token embeddings fine-tuned with the CLIP loss alone
 
 
 def parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -37,7 +50,8 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--languages", type=int, default=4, help="English plus K-1 synthetic languages (default 4)")
     p.add_argument("--streams", default=",".join(STREAMS), help=f"comma-separated, of {', '.join(STREAMS)}")
     p.add_argument("--out", default=str(report.RESULTS / "languages.md"))
-    add_training_arguments(p)
+    add_training_arguments(p, seed=False)
+    add_cell_arguments(p)
     return p
 
 
@@ -47,82 +61,108 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     unknown = sorted(set(names) - set(STREAMS))
     if unknown:
         raise SystemExit(f"unknown stream(s) {unknown}; known: {', '.join(STREAMS)}")
-    text = languages(Settings(), args.languages, names, args.seed, args.workers, training_sets(args), Path(args.out))
+    text = languages(Settings(), args.languages, names, cells.parse_seeds(args.seeds), args.workers,
+                     training_sets(args), Path(args.out), cells.parse_vary(args.vary), args.test_per_task, args.fresh,
+                     args.cache, args.resamples)
     print(text)
     return text
 
 
-def languages(settings: Settings, k: int, names: list[str], seed: int = 0, workers: int = 2,
-              overrides: Iterable[str] = (), out: Path = report.RESULTS / "languages.md") -> str:
+def statistics(k: int, first: str) -> dict[str, list[Statistic]]:
+    """What the tables report, by table, for a stream of English + k-1 languages (`first`: English's task)."""
+    known = lambda v: v.rm("known")  # noqa: E731
+    return {
+        "headline": [
+            Statistic("AA", lambda v: stats.average_accuracy(known(v))),
+            Statistic("forgetting", lambda v: stats.forgetting(known(v)), lower_is_better=True),
+            Statistic(f"forgetting on {first}", lambda v: known(v)[:, :-1, 0].max(axis=1) - known(v)[:, -1, 0],
+                      lower_is_better=True),
+            Statistic(f"{first} Rm at the end", lambda v: known(v)[:, -1, 0]),
+            Statistic("final Rm (task-unknown AA)", lambda v: stats.average_accuracy(v.rm("unknown")))],
+        "recall": [Statistic(f"task-{mode} R@{r}", lambda v, mode=mode, r=r: stats.average_accuracy(v.recall(mode, r)))
+                   for mode in ("known", "unknown") for r in KS],
+        "curve": [Statistic(f"{first} after task {t + 1}", lambda v, t=t: known(v)[:, t, 0]) for t in range(k)],
+    }
+
+
+def languages(settings: Settings, k: int, names: list[str], seeds: Sequence[int] = (0, 1, 2), workers: int = 2,
+              overrides: Iterable[str] = (), out: Path = report.RESULTS / "languages.md",
+              vary: Sequence[tuple[str, list[str]]] = (), test_per_task: int = TEST_PER_TASK, fresh: bool = False,
+              cache: str | Path = "", resamples: int = 1000) -> str:
     if k < 2:
         raise ValueError(f"a language stream needs English and at least one more language, got {k}")
     overrides = list(overrides)
-    stream = f"bench-languages-s{seed}-{time.strftime('%Y%m%d%H%M%S')}"
-    settings = settings.model_copy(update={"stream": stream})
-    dirs = synthesize_languages(settings.data_dir / stream, k, seed=seed)
-    print(f"== {dirs[0].name}: finetune (the teacher)", flush=True)
-    english = run_task(dirs[0], "finetune", None, workers, seeded(seed), settings).version
-    matrices = {}
-    for name in names:
-        preset, sets = STREAMS[name]
-        parent, result = english, None
-        for folder in dirs[1:]:
-            print(f"== {name}: {folder.name}", flush=True)
-            result = run_task(folder, preset, parent, workers, [*seeded(seed), *sets, *overrides], settings)
-            parent = result.version
-        matrices[name] = result.known
-    return languages_report(matrices, k, seed, overrides, out)
+    seeds = check_cells(seeds, test_per_task, resamples)
+    variants = cells.expand({n: STREAMS[n] for n in names}, vary, BASELINE, [*seeded(0), *overrides])
+    key = {"bench": "languages", "languages": k, "test_per_task": test_per_task, "workers": workers,
+           "overrides": overrides}
+    store = cells.Cache(Path(cache) if cache else settings.home / "bench-cells" / "languages", fresh)
+    results: dict[str, dict[int, dict]] = {v.label: {} for v in variants}
+    for seed in seeds:
+        data = {"languages": k, "test_per_task": test_per_task, "seed": seed}  # what the synthetic data depends on
+        root = settings.data_dir / f"bench-languages-{cells.Cache.digest(data)[:10]}-s{seed}"
+        dirs = cells.seed_data(root, lambda r: synthesize_languages(r, k, seed=seed, test_per_task=test_per_task))
+        # English is trained once per seed with finetune (the CLIP every stream teaches the other languages, and
+        # their frozen teacher; the command's --set are the streams'), the parent of every stream's second language
+        done = cells.run_seed(settings, "languages", seed, dirs, variants, lambda v: ("finetune", ()), workers,
+                              [*seeded(seed), *overrides], store, key, first_base=seeded(seed))
+        for label, cell in done.items():
+            results[label][seed] = cell
+    first = next(iter(next(iter(results.values())).values()))["tasks"][0]
+    tables = statistics(k, first)
+    summary = stats.bootstrap(cells.streams(results), [st for table in tables.values() for st in table],
+                              BASELINE if BASELINE in results else None, resamples)
+    return languages_report(summary, results, tables, k, test_per_task, overrides, vary, workers, Path(out))
 
 
-def languages_report(matrices: dict[str, ResultMatrix], k: int, seed: int, overrides: Iterable[str], out: Path) -> str:
-    """The summary table (AA, forgetting, English forgetting) and each stream's R matrix; a plot of English's
-    Rm after each language, per stream."""
-    sets = "".join(f" --set {o}" for o in overrides)
-    first = next(iter(matrices.values())).tasks[0]
-    rows = []
-    for name, m in matrices.items():
-        forgetting = m.forgetting()
-        rows.append((name, STREAMS[name][0], m.average_accuracy(), m.mean_forgetting(), forgetting.get(first, 0.0),
-                     m.values[-1, 0]))
+def languages_report(summary: stats.Summary, results: dict[str, dict[int, dict]], tables: dict[str, list[Statistic]],
+                     k: int, test_per_task: int, overrides: Iterable[str], vary: Sequence[tuple[str, list[str]]],
+                     workers: int, out: Path) -> str:
+    """The summary table, recall, the paired differences against embeddings and each stream's R matrix (the mean
+    over seeds); a plot of English's Rm after each language with its band, and the forest plot."""
+    out = Path(out)
+    sets = "".join(f" --set {o}" for o in overrides) + "".join(f" --vary {key}={','.join(v)}" for key, v in vary)
+    seeds = ",".join(map(str, summary.seeds))
+    tasks = next(iter(next(iter(results.values())).values()))["tasks"]
+    headline = tables["headline"]
     lines = [
-        "# Languages: CLL-CLIP and TEIR against fine-tuning the token embeddings",
+        f"# Languages: CLL-CLIP and TEIR against fine-tuning the token embeddings, {len(summary.seeds)} seeds",
         "",
-        f"Machine: {report.device()}. Stream: English then {k - 1} synthetic languages (seed {seed}; the same images "
-        "in every language), all learnt from one English version trained with `finetune`. "
-        f"Reproduce: `clipstream bench languages --languages {k} --seed {seed}{sets} --out {out}`.",
-        "Rm in percent (mean of R@1/5/10, both directions, task-known); forgetting F_j = best earlier Rm on task j "
-        "minus the last; lower is better.",
+        f"Reproduce: `clipstream bench languages --languages {k} --seeds {seeds} --test-per-task {test_per_task} "
+        f"--streams {','.join(dict.fromkeys(label.split()[0] for label in results))} --workers {workers}{sets} "
+        f"--resamples {summary.resamples} --out {out}`",
         "",
-        *report.table(["stream", "preset", "AA", "forgetting", f"forgetting on {first}", f"{first} Rm at the end"], rows),
+        f"Device: {report.device(f'{workers} Ray Train workers')}. Stream: English then {k - 1} synthetic languages "
+        f"(the same images in every language; {test_per_task} test pairs per task), all learnt from one English "
+        "version per seed trained with `finetune`. Rm in percent (mean of R@1/5/10, both directions, task-known); "
+        "forgetting F_j = best earlier Rm on task j minus the last; lower is better. " + stats.describe(summary),
         "",
-        "![English retrieval after each language](languages.png)",
+        *report.table(["stream", "preset", *(f"{st.name} (lower is better)" if st.lower_is_better else st.name
+                                             for st in headline)],
+                      [[label, STREAMS[label.split()[0]][0], *(est[st.name].format() for st in headline)]
+                       for label, est in summary.estimates.items()]),
         "",
+        "R@K of the last row of R, the mean over its tasks and both directions:",
+        "",
+        *report.table(["stream", *(st.name for st in tables["recall"])],
+                      [[label, *(est[st.name].format() for st in tables["recall"])]
+                       for label, est in summary.estimates.items()]),
     ]
-    for name, m in matrices.items():
-        lines += [f"## {name}", "", "```", m.format_table(), "```", ""]
-    _plot(matrices, Path(out).with_suffix(".png"))
+    if summary.baseline:
+        lines += ["", f"Paired difference against {summary.baseline} (same seeds, same resampled test pairs; > 0 "
+                  f"favours the stream; a stream beats {summary.baseline} only where the interval lies above 0):", ""]
+        lines += stats.difference_table(summary, [*headline, tables["recall"][len(KS)]], label="stream")
+        forest = stats.plot_forest(summary, headline[:4], out.with_name(f"{out.stem}-forest.png"))
+        lines += ["", f"![paired differences against {summary.baseline}]({forest.name})"]
+    png = stats.plot_curves(summary, [st.name for st in tables["curve"]], [t.split("-lang-")[-1] for t in tasks],
+                            out.with_suffix(".png"), f"Rm on {tasks[0]} (%)", "English retrieval after each language")
+    lines += ["", f"![English retrieval after each language]({png.name})", ""]
+    for label, by_seed in results.items():
+        mean = np.mean([stats.point_matrix(stats.Stream(c["tasks"], c["rows"]), "known") for c in by_seed.values()],
+                       axis=0)
+        matrix = ResultMatrix(tasks, [list(mean[i, : i + 1]) for i in range(len(tasks))])
+        lines += [f"## {label} (task-known R, mean over seeds)", "", "```", matrix.format_table(), "```", ""]
     return report.write(out, lines)
-
-
-def _plot(matrices: dict[str, ResultMatrix], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name, m in matrices.items():
-        ax.plot(range(len(m.tasks)), m.values[:, 0], marker="o", label=name)
-    tasks = next(iter(matrices.values())).tasks
-    ax.set_xticks(range(len(tasks)), [t.split("-lang-")[-1] for t in tasks])
-    ax.set_xlabel("after learning language")
-    ax.set_ylabel(f"Rm on {tasks[0]} (%)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -94,14 +94,19 @@ def equal_tasks(root: Path, tasks: int, pairs: int, gallery: int, seed: int = 0)
     return dirs
 
 
-def shape_of(config: dict) -> tuple[str, int | None]:
+def shape_of(config: dict, tasks: int, pairs: int) -> tuple[str, int | None]:
     """The growth a method's training cost should have, from its resolved preset: ("linear", None) for joint (every
-    task so far), ("bounded", buffer pairs) for replay, ("flat", None) for the rest."""
+    task so far), ("bounded", buffer pairs) for replay, ("flat", None) for the rest. A buffer that is a fraction of
+    the pairs seen is bounded by what it holds at the end of the stream (`tasks` of `pairs`): that share, up to one
+    more pair per task (each task's share is rounded up or down)."""
     method = config.get("method") or {}
     if "joint" in method:
         return "linear", None
     if "er" in method:
-        return "bounded", int(method["er"]["buffer_pairs"])
+        er = method["er"]
+        if er.get("buffer_pairs") is not None:
+            return "bounded", int(er["buffer_pairs"])
+        return "bounded", math.ceil(er["buffer_fraction"] * tasks * pairs) + tasks
     return "flat", None
 
 
@@ -122,7 +127,7 @@ def stream_growth(settings: Settings, names: Sequence[str], tasks: int = 8, pair
     last: tuple[Settings, str] | None = None
     for m, method in enumerate(names, 1):
         config = resolve(method, train_sets)
-        shape, buffer = shape_of(config)
+        shape, buffer = shape_of(config, tasks, pairs)
         run_settings = settings.model_copy(update={"stream": f"bench-growth-{method}-s{seed}-{stamp}"})
         registry, parent, rows = Registry(run_settings), None, []
         for t, folder in enumerate(dirs, 1):

@@ -201,16 +201,19 @@ def put_lineage(settings: Settings, version: Version, split: str = "test") -> di
 def evaluate_through_index(index: VectorIndex, bundle: models.ClipBundle, tasks: list[Task], split: str = "test",
                            k: int = max(evaluate.KS)) -> dict[str, dict[str, dict[str, float]]]:
     """R@K like `evaluate.evaluate_seen`, but every gallery is what the index stores; queries are
-    encoded by `bundle` (the latest version). Same pessimistic tie rule."""
+    encoded by `bundle` (the latest version). Same positives (`evaluate.UnionPositives`: the same image or caption
+    in another task's gallery is a hit) and the same pessimistic tie rule, over the top k hits."""
+    embedded = evaluate.embed_tasks(bundle, tasks, split)
+    union = evaluate.UnionPositives(embedded)
+    # (task, item id) -> (the task's place, the item's row in it); a hit of a task not evaluated here is a negative
+    where = {(task.name, str(r["id"])): (p, i) for p, task in enumerate(tasks)
+             for i, r in enumerate(task.check(split).rows)}
     known, unknown = {}, {}
-    for task in tasks:
-        query = evaluate.embed_task(bundle, task, split)
-        rows = task.check(split).rows
-        row_of = {str(r["id"]): i for i, r in enumerate(rows)}
-        for mode, target in (("known", task.name), ("unknown", None)):
-            i2t = _ranks(index.search_batch(query.img, "text", target, k), task.name, row_of, query.positive, k)
-            t2i = _ranks(index.search_batch(query.txt, "image", target, k), task.name, row_of, query.positive.T, k)
-            (known if mode == "known" else unknown)[task.name] = evaluate.metrics_from_ranks(i2t, t2i)
+    for t, query in enumerate(embedded):
+        for mode, target in (("known", query.task), ("unknown", None)):
+            i2t = _ranks(index.search_batch(query.img, "text", target, k), union, t, "i2t", where, k)
+            t2i = _ranks(index.search_batch(query.txt, "image", target, k), union, t, "t2i", where, k)
+            (known if mode == "known" else unknown)[query.task] = evaluate.metrics_from_ranks(i2t, t2i)
     return {"known": known, "unknown": unknown}
 
 
@@ -261,12 +264,18 @@ def _record(registry: Registry, version: str, state: dict, policy: Policy) -> di
     return state
 
 
-def _ranks(results, task: str, row_of: dict[str, int], positive: np.ndarray, k: int) -> np.ndarray:
-    """First-hit rank per query from its top-k hits: negatives scoring >= the best positive come first."""
+def _ranks(results, union: evaluate.UnionPositives, t: int, direction: str, where: dict[tuple[str, str], tuple],
+           k: int) -> np.ndarray:
+    """First-hit rank per query of task t from its top-k hits: negatives scoring >= the best positive come first;
+    k when no positive is among them."""
+    gallery_start = union.txt_start if direction == "i2t" else union.img_start
     ranks = np.full(len(results), k)
-    for q, hits in enumerate(results):
-        is_pos = [h.task == task and h.item_id in row_of and positive[q, row_of[h.item_id]] for h in hits]
-        if any(is_pos):
-            best = max(h.score for h, p in zip(hits, is_pos) if p)
-            ranks[q] = sum(1 for h, p in zip(hits, is_pos) if not p and h.score >= best)
+    for s in range(0, len(results), evaluate._QUERY_CHUNK):
+        positive = union.rows(t, direction, s, min(s + evaluate._QUERY_CHUNK, len(results)))
+        for q, hits in enumerate(results[s:s + evaluate._QUERY_CHUNK]):
+            rows = [where.get((h.task, h.item_id)) for h in hits]
+            is_pos = [r is not None and bool(positive[q, gallery_start[r[0]] + r[1]]) for r in rows]
+            if any(is_pos):
+                best = max(h.score for h, p in zip(hits, is_pos) if p)
+                ranks[s + q] = sum(1 for h, p in zip(hits, is_pos) if not p and h.score >= best)
     return ranks

@@ -88,7 +88,8 @@ def train(root: Path, method: str, stage: int) -> None:
     for name in [n for n in os.environ if n.startswith("CLIPSTREAM_")]:  # (the previous stream's)
         del os.environ[name]
     os.environ.update(Settings(home=home(root, method, stage), presets=presets).ensure_dirs().env())
-    extra = ["method.er.buffer_pairs=40"] if "er" in method.split("_") else []
+    # a fixed buffer: the preset's 1% of these small tasks would be a pair or two
+    extra = ["method.er.buffer_pairs=40", "method.er.buffer_fraction=null"] if "er" in method.split("_") else []
     for i, folder in enumerate(folders):
         first = method in LANGUAGE_METHODS and i == 0
         args = ["train", "--task", str(folder), "--method", FIRST_LANGUAGE[0] if first else method, "--workers", "2"]

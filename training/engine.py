@@ -207,6 +207,10 @@ def train_loop(config: dict) -> None:
         _maybe_fail(config.get("fail_once"), epoch, rank)  # dies with the epoch trained but not checkpointed
         if last:
             method.after_task(task_ctx, list(kept))
+            measured = method.task_metrics()  # (a collective when there is any: every rank's method has the same)
+            if measured:
+                logger.log(task_ctx.step, {f"method/{k}": torch.tensor(float(v), device=engine.device)
+                                           for k, v in measured.items()})
             engine.empty_partition_cache()  # ZeRO-3: what a forward outside `engine.backward` left gathered (EWC's)
         _report_epoch(engine, method, bundle, frozen_fp32, epoch, task_ctx.step, rank,
                       {"epoch": epoch, "step": task_ctx.step, "loss": float(loss.detach()), "start_epoch": start_epoch,

@@ -8,6 +8,7 @@ galleries): rank by cosine of L2-normalised embeddings, a query hits at K when a
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -59,41 +60,87 @@ def recall_at_k(scores: np.ndarray, positive: np.ndarray, ks: Sequence[int] = KS
     return _recall(_first_hit_rank(np.asarray(scores), np.asarray(positive, dtype=bool)), ks)
 
 
-def _directional(queries: np.ndarray, gallery: np.ndarray, positive: np.ndarray) -> dict[int, float]:
-    """recall_at_k of queries against gallery by cosine (dot product of unit rows), in query chunks."""
+def _directional(queries: np.ndarray, gallery: np.ndarray, positive: np.ndarray) -> np.ndarray:
+    """The first-hit rank of each query against gallery by cosine (dot product of unit rows), in query chunks."""
     ranks = [
         _first_hit_rank(queries[s : s + _QUERY_CHUNK] @ gallery.T, positive[s : s + _QUERY_CHUNK])
         for s in range(0, len(queries), _QUERY_CHUNK)
     ]
-    return _recall(np.concatenate(ranks), KS)
+    return np.concatenate(ranks)
 
 
-def _as_percent(i2t: dict[int, float], t2i: dict[int, float]) -> dict[str, float]:
-    out = {f"{name}_R@{k}": 100.0 * r[k] for name, r in (("i2t", i2t), ("t2i", t2i)) for k in KS}
+class Metrics(dict):
+    """One gallery's percent metrics (`i2t_R@1` ... `t2i_R@10`, `Rm`) and `ranks`: the 0-based first-hit rank of
+    every query they came from, (image->text, text->image) int arrays. A bootstrap resamples the queries' ranks
+    (R@K of a sample = the mean of rank < K over it) instead of embedding anything again."""
+
+    def __init__(self, values: dict[str, float], ranks: tuple[np.ndarray, np.ndarray]):
+        super().__init__(values)
+        self.ranks = ranks
+
+
+def _as_percent(i2t_ranks: np.ndarray, t2i_ranks: np.ndarray) -> Metrics:
+    i2t, t2i = np.asarray(i2t_ranks), np.asarray(t2i_ranks)
+    out = {f"{name}_R@{k}": 100.0 * r[k] for name, r in (("i2t", _recall(i2t, KS)), ("t2i", _recall(t2i, KS)))
+           for k in KS}
     out["Rm"] = float(np.mean(list(out.values())))
-    return out
+    return Metrics(out, (i2t, t2i))
 
 
-def metrics_from_ranks(i2t_ranks: np.ndarray, t2i_ranks: np.ndarray) -> dict[str, float]:
+DIRECTIONS = ("i2t", "t2i")  # the order of `Metrics.ranks`
+ZERO_SHOT = "zero_shot"  # beside the gallery modes in a version's ranks: its held-out tasks' (`job.TaskResult.ranks`)
+
+
+def flat_ranks(ranks: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]) -> dict[str, np.ndarray]:
+    """{mode: {task: (i2t, t2i)}} as {"MODE/TASK/i2t": ranks, ...}: the arrays of one npz file (no pickles)."""
+    return {f"{mode}/{task}/{d}": np.asarray(r, dtype=np.int32)
+            for mode, per_task in ranks.items() for task, pair in per_task.items() for d, r in zip(DIRECTIONS, pair)}
+
+
+def nested_ranks(flat: dict[str, np.ndarray]) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """The inverse of flat_ranks."""
+    out: dict[str, dict[str, dict[str, np.ndarray]]] = {}
+    for key, r in flat.items():
+        mode, task, d = key.split("/")
+        out.setdefault(mode, {}).setdefault(task, {})[d] = np.asarray(r)
+    return {mode: {task: tuple(pair[d] for d in DIRECTIONS) for task, pair in per_task.items()}
+            for mode, per_task in out.items()}
+
+
+def metrics_from_ranks(i2t_ranks: np.ndarray, t2i_ranks: np.ndarray) -> Metrics:
     """The same percent metrics from 0-based first-hit ranks computed elsewhere (e.g. through a vector index)."""
-    return _as_percent(_recall(np.asarray(i2t_ranks), KS), _recall(np.asarray(t2i_ranks), KS))
+    return _as_percent(i2t_ranks, t2i_ranks)
 
 
-def retrieval_metrics(img: np.ndarray, txt: np.ndarray, positive: np.ndarray) -> dict[str, float]:
+def retrieval_metrics(img: np.ndarray, txt: np.ndarray, positive: np.ndarray) -> Metrics:
     """Image->text and text->image R@1/5/10 on one gallery plus Rm (their mean), in percent as the
-    papers report. img [N_img, D], txt [N_txt, D], positive bool [N_img, N_txt]."""
+    papers report, with each query's rank (`Metrics.ranks`). img [N_img, D], txt [N_txt, D], positive bool
+    [N_img, N_txt]."""
     positive = np.asarray(positive, dtype=bool)
     return _as_percent(_directional(img, txt, positive), _directional(txt, img, positive.T))
 
 
+def content_key(image: bytes | Path) -> str:
+    """The identity of an image by what it shows: sha256 of its bytes (`Task.image` gives bytes or a local file).
+    Tasks that share images (a language stream: the same pictures captioned in several languages, each task with
+    its own copy of the files) then share keys, whatever the files are called."""
+    return hashlib.sha256(image if isinstance(image, bytes) else Path(image).read_bytes()).hexdigest()
+
+
 @dataclass
 class Embedded:
-    """One task's test split embedded by one model: unit rows, and which image matches which text."""
+    """One task's test split embedded by one model: unit rows, and which image matches which text.
+
+    `keys` (the content key of each row's image, `content_key`) and `captions` (each row's caption) describe rows
+    that are pairs (image i goes with caption i): with them, task-unknown retrieval finds positives in the other
+    tasks' galleries too (`UnionPositives`). Without them only `positive`, inside the task, is known."""
 
     task: str
     img: np.ndarray  # [N_img, D] float32
     txt: np.ndarray  # [N_txt, D] float32
     positive: np.ndarray  # bool [N_img, N_txt]
+    keys: Optional[Sequence[str]] = None  # [N] content key of each pair's image
+    captions: Optional[Sequence[str]] = None  # [N] each pair's caption
 
     def __post_init__(self) -> None:
         if self.positive.shape != (len(self.img), len(self.txt)):
@@ -101,27 +148,100 @@ class Embedded:
                 f"task {self.task!r}: positive {self.positive.shape} does not match "
                 f"{len(self.img)} images x {len(self.txt)} texts"
             )
+        if (self.keys is None) != (self.captions is None):
+            raise ValueError(f"task {self.task!r}: give both keys and captions, or neither")
+        if self.keys is not None and not len(self.keys) == len(self.captions) == len(self.img) == len(self.txt):
+            raise ValueError(f"task {self.task!r}: keys and captions describe pairs: need one of each per row, got "
+                             f"{len(self.keys)} keys, {len(self.captions)} captions for {len(self.img)} images x "
+                             f"{len(self.txt)} texts")
 
 
-def evaluate_seen(embedded: Sequence[Embedded]) -> dict[str, dict[str, dict[str, float]]]:
+class UnionPositives:
+    """Which rows of the union of several tasks' galleries are positives of a query: the rule of `positives`
+    (same image, identical caption, or the query's own pair) applied across the union, with the image's content
+    key (`content_key`) as its identity. A task's own block also takes its `positive`. So the same image in
+    another task's gallery (a language stream shows every image in every language) is a positive, not a negative
+    that ties with the query's own. A task whose Embedded has no keys has positives in its own block only.
+
+    Built per chunk of queries (`rows`), never as a full [Q, G] matrix."""
+
+    def __init__(self, embedded: Sequence[Embedded]):
+        self.embedded = list(embedded)
+        self.img_start = np.cumsum([0] + [len(e.img) for e in self.embedded])
+        self.txt_start = np.cumsum([0] + [len(e.txt) for e in self.embedded])
+        self._img, self._txt = self._codes()
+
+    def _codes(self) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+        """(key codes, caption codes) of every image row and of every text row of the union: equal values share a
+        code; rows without keys get codes no other row has (negative, so never equal to a value's)."""
+        values: dict[tuple[str, str], int] = {}
+        fresh = 0
+        img, txt = ([], []), ([], [])
+        for e in self.embedded:
+            if e.keys is None:
+                for side, n in ((img, len(e.img)), (txt, len(e.txt))):
+                    for part in side:
+                        part.append(-1 - fresh - np.arange(n))
+                        fresh += n
+                continue
+            codes = [np.fromiter((values.setdefault((what, str(v)), len(values)) for v in column), dtype=np.int64,
+                                 count=len(column)) for what, column in (("key", e.keys), ("caption", e.captions))]
+            for side in (img, txt):  # (rows are pairs: image row i and text row i describe one item)
+                side[0].append(codes[0])
+                side[1].append(codes[1])
+        return tuple(np.concatenate(p) for p in img), tuple(np.concatenate(p) for p in txt)
+
+    def rows(self, t: int, direction: str, start: int, stop: int) -> np.ndarray:
+        """bool [stop - start, G]: the positives of task t's queries start..stop-1 among the union's gallery rows,
+        `direction` "i2t" (image queries, text gallery) or "t2i"."""
+        if direction not in ("i2t", "t2i"):
+            raise ValueError(f"direction must be 'i2t' or 't2i', got {direction!r}")
+        (query, query_start), (gallery, gallery_start) = (
+            ((self._img, self.img_start), (self._txt, self.txt_start)) if direction == "i2t"
+            else ((self._txt, self.txt_start), (self._img, self.img_start)))
+        q = slice(query_start[t] + start, query_start[t] + stop)
+        out = (query[0][q, None] == gallery[0][None, :]) | (query[1][q, None] == gallery[1][None, :])
+        own = self.embedded[t].positive
+        out[:, gallery_start[t]:gallery_start[t + 1]] |= (own if direction == "i2t" else own.T)[start:stop]
+        return out
+
+
+def _union_ranks(queries: np.ndarray, gallery: np.ndarray, union: UnionPositives, t: int,
+                 direction: str) -> np.ndarray:
+    """First-hit ranks of task t's queries against the union gallery, in query chunks."""
+    return np.concatenate([
+        _first_hit_rank(queries[s : s + _QUERY_CHUNK] @ gallery.T,
+                        union.rows(t, direction, s, min(s + _QUERY_CHUNK, len(queries))))
+        for s in range(0, len(queries), _QUERY_CHUNK)
+    ])
+
+
+def evaluate_seen(embedded: Sequence[Embedded],
+                  galleries: Optional[Sequence[Embedded]] = None) -> dict[str, dict[str, dict[str, float]]]:
     """{'known': {task: metrics}, 'unknown': {task: metrics}}. Task-known ranks a task's queries in its
     own gallery; task-unknown ranks them in the union of all tasks' galleries (raw cosine, no per-task
-    normalisation), where other tasks' items are negatives that can distract the query."""
+    normalisation), where other tasks' items are negatives that can distract the query, unless they show the same
+    image or carry the same caption (`UnionPositives`).
+
+    The queries are `embedded`; the galleries are `galleries` (the same tasks' rows in the same order, embedded by
+    other models), by default the queries' own: the no-reindex policy ranks today's queries against the vectors
+    each task's own version made (`noreindex_galleries`)."""
     names = [e.task for e in embedded]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate task names: {names}")
-    all_img = np.concatenate([e.img for e in embedded])
-    all_txt = np.concatenate([e.txt for e in embedded])
-    img_start = np.cumsum([0] + [len(e.img) for e in embedded])
-    txt_start = np.cumsum([0] + [len(e.txt) for e in embedded])
+    galleries = list(embedded if galleries is None else galleries)
+    if [g.task for g in galleries] != names or any(
+            g.img.shape[0] != e.img.shape[0] or g.txt.shape[0] != e.txt.shape[0] for e, g in zip(embedded, galleries)):
+        raise ValueError(f"the galleries must be the queries' tasks {names} with the same rows, got "
+                         f"{[(g.task, len(g.img), len(g.txt)) for g in galleries]}")
+    all_img = np.concatenate([g.img for g in galleries])
+    all_txt = np.concatenate([g.txt for g in galleries])
+    union = UnionPositives(embedded)
     known, unknown = {}, {}
-    for t, e in enumerate(embedded):
-        known[e.task] = retrieval_metrics(e.img, e.txt, e.positive)
-        i2t = np.zeros((len(e.img), len(all_txt)), dtype=bool)
-        i2t[:, txt_start[t] : txt_start[t + 1]] = e.positive
-        t2i = np.zeros((len(e.txt), len(all_img)), dtype=bool)
-        t2i[:, img_start[t] : img_start[t + 1]] = e.positive.T
-        unknown[e.task] = _as_percent(_directional(e.img, all_txt, i2t), _directional(e.txt, all_img, t2i))
+    for t, (e, g) in enumerate(zip(embedded, galleries)):
+        known[e.task] = _as_percent(_directional(e.img, g.txt, e.positive), _directional(e.txt, g.img, e.positive.T))
+        unknown[e.task] = _as_percent(_union_ranks(e.img, all_txt, union, t, "i2t"),
+                                      _union_ranks(e.txt, all_img, union, t, "t2i"))
     return {"known": known, "unknown": unknown}
 
 
@@ -319,11 +439,13 @@ def embed_tasks(bundle, tasks: Sequence, split: str = "test", batch_size: int = 
     rounding)."""
     rows = [task.check(split).rows for task in tasks]
     captions = [[str(r["caption"]) for r in task_rows] for task_rows in rows]
-    img = bundle.embed_images([task.image(r) for task, task_rows in zip(tasks, rows) for r in task_rows], batch_size)
+    images = [task.image(r) for task, task_rows in zip(tasks, rows) for r in task_rows]
+    keys = [content_key(image) for image in images]
+    img = bundle.embed_images(images, batch_size)
     txt = bundle.embed_texts([c for task_captions in captions for c in task_captions], batch_size)
     bounds = np.cumsum([0, *map(len, rows)])
-    return [Embedded(task.name, img[a:b], txt[a:b], positives([str(r["image"]) for r in task_rows], task_captions))
-            for task, task_rows, task_captions, a, b in zip(tasks, rows, captions, bounds[:-1], bounds[1:])]
+    return [Embedded(task.name, img[a:b], txt[a:b], positives(keys[a:b], task_captions), keys[a:b], task_captions)
+            for task, task_captions, a, b in zip(tasks, captions, bounds[:-1], bounds[1:])]
 
 
 class GalleryCache:
@@ -377,3 +499,37 @@ def format_scores(scores: dict[str, dict[str, dict[str, float]]]) -> str:
 # the test-split vectors of the last version this process evaluated: the next task's job, when it runs in this process
 # too (a stream of `clipstream demo`, a benchmark), takes its parent's from here instead of embedding them again
 GALLERIES = GalleryCache(keep=1)
+
+
+# Zero-shot classification as the CLIP papers measure it: each image's class is the class name whose prompts its
+# vector is closest to. open_clip's zero-shot classifier: every template filled with the class name, the unit text
+# vectors averaged over the templates and renormalised. A task may give its own `templates` (task.yaml), as
+# open_clip's per-dataset ones; these are the generic ones.
+TEMPLATES = ("a photo of a {}.", "a {}.", "a photo of the {}.", "an image of a {}.")
+
+
+def class_vectors(bundle, classes: Sequence[str], templates: Sequence[str] = TEMPLATES,
+                  batch_size: int = 256) -> np.ndarray:
+    """[C, D] unit rows: class c's prompts (`templates` with c in place of `{}`) embedded by `bundle`, averaged,
+    renormalised."""
+    if not classes or not templates:
+        raise ValueError(f"class_vectors needs classes and templates, got {len(classes)} and {len(templates)}")
+    prompts = bundle.embed_texts([t.replace("{}", str(c)) for c in classes for t in templates], batch_size)
+    mean = prompts.reshape(len(classes), len(templates), -1).mean(axis=1)
+    return mean / np.linalg.norm(mean, axis=1, keepdims=True)
+
+
+def classification_accuracy(img: np.ndarray, classes: np.ndarray, labels: Sequence[int]) -> dict[str, float]:
+    """Top-1 (and top-5 when there are more than 5 classes) accuracy in percent of the images `img` [N, D]
+    against the class vectors `classes` [C, D] (cosine of unit rows), `labels` [N] the index of each image's class.
+    Ties count against the true class, as in retrieval (`_first_hit_rank`): a class scoring the same is ranked
+    above it."""
+    labels = np.asarray(labels)
+    if len(labels) != len(img) or not len(img):
+        raise ValueError(f"{len(img)} images but {len(labels)} labels (need one per image, at least one)")
+    if labels.min() < 0 or labels.max() >= len(classes):
+        raise ValueError(f"labels must index the {len(classes)} classes, got values in [{labels.min()}, {labels.max()}]")
+    own = np.zeros((len(img), len(classes)), dtype=bool)
+    own[np.arange(len(img)), labels] = True
+    ranks = _first_hit_rank(img @ classes.T, own)
+    return {f"top{k}": 100.0 * float(np.mean(ranks < k)) for k in (1, 5) if k == 1 or len(classes) > 5}

@@ -3,8 +3,9 @@
     prepare  → the config, the method, the parent version and checked data; nothing runs yet
     fit      → a Ray Train `TorchTrainer` of DeepSpeed workers (`engine.train_loop`); the trained export
     evaluate → the new version on every task seen so far: one more row of R[i][j], plots, diagnostics; and on
-               the stream's held-out zero-shot tasks, which no version trains on (retention: the drop from the
-               first version evaluated on them)
+               the stream's held-out zero-shot tasks, which no version trains on: retrieval, and prompted
+               class-name classification where their rows carry labels (retention: the drop from the first
+               version evaluated on them)
     register → the export + what the next task needs, as a new MLflow model version (alias `candidate`)
 
 `run_task` runs them inside the task's MLflow run; each step can also be called (and tested) alone.
@@ -25,7 +26,7 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -83,6 +84,8 @@ class Plan:
     aliases: tuple[str, ...] = ()  # set on the new version besides `candidate` (a stream's jobs chain by them)
     zero_shot: list[dict] = field(default_factory=list)  # held-out tasks (lineage-style entries), never trained on
     grown: Optional[Path] = None  # the model folder the method made to train instead (CLL-CLIP: vocabulary grown)
+    start_source: Optional[str] = None  # the stream's start model, for a method that trains from it (joint)
+    started_from: str = ""  # the weights the job starts from, in words (recorded in the run: param `start_model`)
     teacher_source: Optional[str] = None  # the frozen teacher's folder or pretrained model; None: no teacher
     state_path: Optional[Path] = None  # the method state the workers start from, as the driver holds it
     generation: int = 0  # versions the task had from this parent, method and data when the job was asked (retrain)
@@ -108,33 +111,57 @@ class Plan:
 
     @property
     def model_source(self) -> Optional[str]:
-        """What the job trains: the method's grown folder, else the parent's exported folder, else the preset's
-        pretrained tag or checkpoint (None = random init)."""
+        """What the job trains: the method's grown folder, else the stream's start model where the method trains
+        from it (`start_source`), else the parent's exported folder, else the preset's pretrained tag or checkpoint
+        (None = random init)."""
         if self.grown:
             return str(self.grown)
+        if self.start_source:
+            return self.start_source
         return str(self.parent.folder) if self.parent else self.config["model"]["pretrained"]
 
 
+class Matrices:
+    """What holds a version's R matrices by name (`MATRICES`), with the reindex ones by their old names."""
+
+    matrices: dict[str, evaluate.ResultMatrix]
+
+    @property
+    def known(self) -> evaluate.ResultMatrix:
+        """The task-known matrix under the reindex policy (every gallery embedded by this version)."""
+        return self.matrices["known"]
+
+    @property
+    def unknown(self) -> evaluate.ResultMatrix:
+        """The task-unknown matrix under the reindex policy."""
+        return self.matrices["unknown"]
+
+
 @dataclass
-class Evaluation:
-    known: evaluate.ResultMatrix
-    unknown: evaluate.ResultMatrix
+class Evaluation(Matrices):
+    matrices: dict[str, evaluate.ResultMatrix]  # by name (`MATRICES`): both gallery modes under both index policies
     heatmap: Path
     zero_shot: list[float] = field(default_factory=list)  # mean held-out Rm of each version since the set began
+    ranks: dict = field(default_factory=dict)  # this version's per-query ranks: see TaskResult.ranks
+    zero_shot_accuracy: list[float] = field(default_factory=list)  # mean held-out top-1 accuracy, as zero_shot
 
 
 @dataclass
-class TaskResult:
+class TaskResult(Matrices):
     version: str
     run_id: str
     task: str
     task_index: int
-    known: evaluate.ResultMatrix
-    unknown: evaluate.ResultMatrix
+    matrices: dict[str, evaluate.ResultMatrix]  # by name (`MATRICES`); the no-reindex ones may be absent (see there)
     heatmap: Path
     skipped: int
     seconds: float
     zero_shot: list[float] = field(default_factory=list)
+    zero_shot_accuracy: list[float] = field(default_factory=list)  # [] when no held-out task has labels
+    # this version's 0-based first-hit rank of every test query: {mode: {task: (image->text, text->image)}} for each
+    # gallery mode of the evaluation and "zero_shot" (the held-out tasks), so that confidence intervals resample
+    # queries without embedding again (also the run's artifact ranks.npz, `evaluate.flat_ranks`)
+    ranks: dict = field(default_factory=dict)
 
 
 def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[str] = None, workers: int = 2,
@@ -171,14 +198,16 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
         with registry.run(plan.run_name, tags) as run_id:
             run = registry.log(run_id)
             trained = fit(plan, settings, run)
-            result = evaluate_version(plan, trained, settings.home / "plots" / run_id, run, settings.embed_precision)
+            result = evaluate_version(registry, plan, trained, settings.home / "plots" / run_id, run,
+                                      settings.embed_precision)
             resume.refuse_registered(registry, plan.tags, plan.generation)  # (an identical job that finished meanwhile)
             version = register(registry, plan, trained, result, run_id)
         shared.remove(storage)  # its checkpoint is the version now: a retrain starts afresh
     finally:
         shutil.rmtree(plan.workdir, ignore_errors=True)
-    return TaskResult(version, run_id, plan.task.name, plan.task_index, result.known, result.unknown, result.heatmap,
-                      len(plan.skipped), time.perf_counter() - tic, result.zero_shot)
+    return TaskResult(version, run_id, plan.task.name, plan.task_index, result.matrices, result.heatmap,
+                      len(plan.skipped), time.perf_counter() - tic, result.zero_shot, result.zero_shot_accuracy,
+                      result.ranks)
 
 
 def check_aliases(aliases: Iterable[str]) -> None:
@@ -259,8 +288,15 @@ def zero_shot_entries(dirs: Iterable[str | Path], parent: Optional[Version], tra
 
 
 def _prepare_model(registry: Registry, plan: Plan) -> None:
-    """What the method makes of the starting model (CLL-CLIP grows it; its state then goes to the workers from
-    the workdir) and the teacher: the one the method pins for its stream, else the parent."""
+    """The starting weights (the parent's, or the stream's start model for a method that trains from it: joint),
+    what the method makes of them (CLL-CLIP grows them; its state then goes to the workers from the workdir) and
+    the teacher: the one the method pins for its stream, else the parent."""
+    if plan.parent and plan.method.starts_from_stream_start:
+        plan.start_source, plan.started_from = stream_start(registry, plan.parent, plan.workdir)
+    elif plan.parent:
+        plan.started_from = f"parent v{plan.parent.version}"
+    else:
+        plan.started_from = _initial_weights(plan.config)
     source = plan.model_source
     plan.grown = plan.method.prepare_version(source, plan.parent.version if plan.parent else None, plan.config,
                                              plan.current, plan.history, plan.workdir)
@@ -270,6 +306,36 @@ def _prepare_model(registry: Registry, plan: Plan) -> None:
         plan.teacher_source = str(registry.resolve(pinned["version"]).folder)
     else:
         plan.teacher_source = pinned["source"] if pinned else (str(plan.parent.folder) if plan.parent else None)
+
+
+def stream_start(registry: Registry, version: Version, workdir: Path) -> tuple[str, str]:
+    """The model the stream of `version` started from, as `models.create` loads it, and in words: its version 0
+    (`clipstream register --from`: the root of the parent chain, with an empty lineage), else the weights its first
+    trained version started from: that job's pretrained tag or checkpoint, or its seeded random init made again
+    into `workdir` (rank 0's, which DeepSpeed broadcasts to the other workers: `engine.train_loop` seeds with
+    train.seed + rank before it creates the model)."""
+    root = version
+    while root.tags.get("parent_version"):  # (tags only: the versions in between are not downloaded)
+        root = registry.resolve(root.tags["parent_version"], download=False)
+    root = registry.resolve(root.version)
+    if not root.lineage:
+        return str(root.folder), f"version 0 (v{root.version})"
+    config = root.manifest["config"]
+    model, seed = config["model"], config["train"]["seed"]
+    if model["pretrained"]:
+        return model["pretrained"], f"{_initial_weights(config)} (as v{root.version})"
+    with torch.random.fork_rng(devices=[]):  # the caller's generator is left as it was
+        torch.manual_seed(seed)
+        bundle = models.create(model["arch"])
+    return str(models.export(bundle, workdir / "start")), f"{_initial_weights(config)} (as v{root.version})"
+
+
+def _initial_weights(config: dict) -> str:
+    """The weights a stream's first job starts from, in words."""
+    model = config["model"]
+    if model["pretrained"]:
+        return f"pretrained {model['arch']}:{model['pretrained']}"
+    return f"random init of {model['arch']}, seed {config['train']['seed']}"
 
 
 def _check_data(plan: Plan) -> None:
@@ -294,7 +360,7 @@ def fit(plan: Plan, settings: Settings, run: RunLog) -> Path:
     metrics there); returns the trained open_clip export (with the method state) staged in the job's workdir."""
     config, train = plan.config, plan.config["train"]
     run.log_params({**flatten(config), "task": plan.task.name, "parent": plan.tags["parent_version"],
-                    "workers": plan.workers, "train_rows": plan.rows})
+                    "workers": plan.workers, "train_rows": plan.rows, "start_model": plan.started_from})
     run.log_dict(config, "config.json")
     run.log_metrics({"data/skipped_rows": len(plan.skipped)})
     bundle = models.create(config["model"]["arch"], plan.model_source)
@@ -366,10 +432,16 @@ def check_placement(workers: int, gpus_per_worker: float, cluster: dict) -> None
                              f"has {have:g}; lower --workers or --gpus-per-worker (0: CPU workers)")
 
 
-def evaluate_version(plan: Plan, trained: Path, plots: Path, run: RunLog, precision: str = "auto") -> Evaluation:
+def evaluate_version(registry: Registry, plan: Plan, trained: Path, plots: Path, run: RunLog,
+                     precision: str = "auto") -> Evaluation:
     """The trained model on the test split of every task seen so far: the parent's R matrices grow by
     one row, logged with AA / forgetting / BWT and heatmaps; from task 2 on, Mod-X's spatial disorder
     of the old tasks' test pairs between the parent and this version.
+
+    Two index policies, two pairs of matrices (Wang et al., arXiv:2104.06806): reindex (`known`, `unknown`: every
+    gallery embedded by this version) and no-reindex (`noreindex_known`, `noreindex_unknown`: each task's gallery as
+    the version trained on it embedded it, queried by this version). This version's own task's test vectors are
+    logged with its run (`GALLERY_VECTORS`), so that its children's no-reindex rows read them (`noreindex_galleries`).
 
     Each version embeds each task's test split once, the seen tasks' rows together in batches of `eval.batch_size`;
     the parent's vectors of the old tasks are the ones its own evaluation made when that ran in this process
@@ -385,15 +457,32 @@ def evaluate_version(plan: Plan, trained: Path, plots: Path, run: RunLog, precis
     embedded = evaluate.embed_tasks(bundle, [_task_of(e) for e in seen], batch_size=batch)
     gallery = sum(len(e.txt) for e in embedded)
     scores = evaluate.evaluate_seen(embedded)
+    save_gallery(run, embedded[-1], plan.workdir / "gallery")
     previous = plan.parent.manifest.get("matrix", {}) if plan.parent else {}
-    matrices = {}
-    for mode in MODES:  # the parent's matrices (with their row 0, if the stream started from a version 0) grow a row
-        matrices[mode] = evaluate.ResultMatrix.from_dict(previous[mode]) if previous else evaluate.ResultMatrix()
-        matrices[mode].add_row(plan.task.name, {name: m["Rm"] for name, m in scores[mode].items()})
+    galleries, reembedded = noreindex_galleries(registry, plan, embedded, batch, placed)
+    if galleries is not None:
+        noreindex = evaluate.evaluate_seen(embedded, galleries)
+        scores.update({NOREINDEX + mode: noreindex[mode] for mode in MODES})
+    # the parent's matrices (with their row 0, if the stream started from a version 0) grow a row
+    matrices = {name: _previous_matrix(previous, name) for name in scores}
+    lost = [name for name, matrix in matrices.items() if matrix is None]
+    if lost:
+        print(f"[eval] version {plan.parent.version} has no {' or '.join(lost)} matrix (registered before they were "
+              "kept): this stream's versions go on without them", flush=True)
+    matrices = {name: matrix for name, matrix in matrices.items() if matrix is not None}
+    scores = {name: scores[name] for name in matrices}
+    for name, matrix in matrices.items():
+        matrix.add_row(plan.task.name, {task: m["Rm"] for task, m in scores[name].items()})
     log_evaluation(run, scores, matrices, plots, plan.run_name, f"after {plan.task.name}")
     before = (plan.parent.manifest.get("zero_shot") or {}) if plan.parent else {}
-    zero_shot, zero_shot_pairs = evaluate_zero_shot(plan.zero_shot, before, bundle, batch, run)
-    embedded_pairs = gallery + zero_shot_pairs
+    ranks = {mode: {name: m.ranks for name, m in per_task.items()} for mode, per_task in scores.items()}
+    ranks[evaluate.ZERO_SHOT] = {}
+    zero_shot, zero_shot_pairs, zero_shot_accuracy = evaluate_zero_shot(plan.zero_shot, before, bundle, batch, run,
+                                                                        ranks[evaluate.ZERO_SHOT])
+    with tempfile.TemporaryDirectory() as folder:
+        np.savez_compressed(Path(folder) / "ranks.npz", **evaluate.flat_ranks(ranks))
+        run.log_artifacts(folder)
+    embedded_pairs = gallery + zero_shot_pairs + reembedded
     if plan.history:  # how the old tasks' test pairs moved from the parent to this version (a version 0 has none)
         before = evaluate.GALLERIES.get(plan.parent.run_id, plan.history, batch)
         if before is None:  # (the parent was evaluated in another process)
@@ -415,20 +504,102 @@ def evaluate_version(plan: Plan, trained: Path, plots: Path, run: RunLog, precis
     evaluate.GALLERIES.put(run.run_id, seen, embedded, batch)  # for the next task's job, whose parent this version will be
     run.log_metrics({"eval/seconds": time.perf_counter() - tic, "eval/cpu_seconds": time.process_time() - cpu,
                         "eval/gallery_pairs": gallery, "eval/embedded_pairs": embedded_pairs})
-    return Evaluation(matrices["known"], matrices["unknown"], plots / f"{plan.run_name}-known.png", zero_shot)
+    return Evaluation(matrices, plots / f"{plan.run_name}-known.png", zero_shot, ranks, zero_shot_accuracy)
 
 
 MODES = ("known", "unknown")  # task-known and task-unknown galleries
+NOREINDEX = "noreindex_"  # the no-reindex policy's matrices: MODES with this prefix (the bare names are reindex's)
+MATRICES = (*MODES, *(NOREINDEX + mode for mode in MODES))
+GALLERY_VECTORS = "gallery_vectors.npz"  # a version's own task's test-split vectors, an artifact of its run
+
+
+def _previous_matrix(previous: dict, name: str) -> Optional[evaluate.ResultMatrix]:
+    """The parent's matrix `name` to grow (an empty one for a stream's first version). A parent registered before
+    the no-reindex matrices were kept has none: its reindex matrix stands in while it holds at most one trained
+    row (row 0 and the first trained row rank every gallery as its own version made it: both policies agree);
+    after that the rows it lacks cannot be rebuilt here (None)."""
+    if not previous:
+        return evaluate.ResultMatrix()
+    if name in previous:
+        return evaluate.ResultMatrix.from_dict(previous[name])
+    base = name.removeprefix(NOREINDEX)
+    if base != name and base in previous and len(previous[base]["tasks"]) <= 1:
+        return evaluate.ResultMatrix.from_dict(previous[base])
+    return None
+
+
+def save_gallery(run: RunLog, own: evaluate.Embedded, folder: Path) -> None:
+    """This version's vectors of its own task's test split (with the rows' content keys and captions, which tell
+    a reader whether the split still has the same rows) as the run's artifact `GALLERY_VECTORS`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    np.savez(folder / GALLERY_VECTORS, img=own.img.astype(np.float32), txt=own.txt.astype(np.float32),
+             keys=np.asarray(own.keys, dtype=str), captions=np.asarray(own.captions, dtype=str))
+    run.log_artifacts(folder)
+
+
+def load_gallery(registry: Registry, run_id: str, like: evaluate.Embedded) -> Optional[evaluate.Embedded]:
+    """The vectors run `run_id` logged (`save_gallery`) as an Embedded of `like`'s rows; None when the run has
+    none (a version registered before they were kept) or they are of other rows (the split changed since)."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=GALLERY_VECTORS, dst_path=tmp,
+                                                       tracking_uri=registry.tracking_uri)
+        except (MlflowException, OSError):
+            return None
+        with np.load(path, allow_pickle=False) as stored:
+            if stored["keys"].tolist() != list(like.keys) or stored["captions"].tolist() != list(like.captions):
+                return None
+            return replace(like, img=stored["img"], txt=stored["txt"])
+
+
+def _versions_by_task(registry: Registry, version: Optional[Version]) -> dict[str, Version]:
+    """task -> the version trained on it, from `version` back through its parents (their tags: nothing is
+    downloaded); a version 0 (no task) ends the walk."""
+    found = {}
+    while version is not None and version.tags.get("task"):
+        found.setdefault(version.tags["task"], version)
+        parent = version.tags.get("parent_version")
+        version = registry.resolve(parent, download=False) if parent else None
+    return found
+
+
+def noreindex_galleries(registry: Registry, plan: Plan, embedded: list[evaluate.Embedded], batch: int,
+                        placed: tuple) -> tuple[Optional[list[evaluate.Embedded]], int]:
+    """The galleries of the no-reindex policy for the seen tasks (`embedded`, this version's, the current task
+    last): each old task's test split as the version trained on it embedded it, and the current task's as this
+    version does. An old version's vectors come from this process's cache (`evaluate.GALLERIES`), else its run's
+    artifact, else (a version registered before they were kept) its model embeds them again. Returns them and the
+    pairs embedded again; (None, 0) when the lineage has a task no ancestor version was trained on."""
+    owners = _versions_by_task(registry, plan.parent)
+    galleries, reembedded = [], 0
+    for entry, own in zip(plan.history, embedded):
+        owner = owners.get(entry["task"])
+        if owner is None:
+            print(f"[eval] no version of this stream's lineage was trained on {entry['task']!r}: no no-reindex row",
+                  flush=True)
+            return None, 0
+        cached = evaluate.GALLERIES.get(owner.run_id, [entry], batch)
+        gallery = (replace(own, img=cached[0][0], txt=cached[0][1]) if cached is not None
+                   else load_gallery(registry, owner.run_id, own))
+        if gallery is None:
+            bundle = models.load_exported(registry.resolve(owner.version).folder).to(*placed)
+            fresh = evaluate.embed_tasks(bundle, [_task_of(entry)], batch_size=batch)[0]
+            gallery, reembedded = replace(own, img=fresh.img, txt=fresh.txt), reembedded + len(fresh.txt)
+        galleries.append(gallery)
+    return [*galleries, embedded[-1]], reembedded
 
 
 def log_evaluation(run: RunLog, scores: dict, matrices: dict[str, evaluate.ResultMatrix], plots: Path, run_name: str,
                    when: str) -> None:
     """A version's evaluation into its run: every task's metrics (`evaluate.evaluate_seen`), the summary of each
-    mode's matrix (AA, forgetting, BWT over its trained rows; a matrix of row 0 alone, its mean as `MODE/pretrained_Rm`),
-    the matrices as JSON and their heatmaps and curves under `plots` (titled with `when` it was evaluated)."""
+    matrix (AA, forgetting, BWT over its trained rows; a matrix of row 0 alone, its mean as `NAME/pretrained_Rm`),
+    the matrices as JSON and their heatmaps and curves under `plots` (titled with `when` it was evaluated).
+    `matrices` and `scores` are keyed alike, by matrix name (`MATRICES`)."""
     logged = {}  # (the metrics of every task go to MLflow in one call)
-    for mode in MODES:
-        matrix = matrices[mode]
+    for mode, matrix in matrices.items():
         for name, metrics in scores[mode].items():
             logged.update({f"eval/{mode}/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
         if matrix.tasks:
@@ -437,27 +608,59 @@ def log_evaluation(run: RunLog, scores: dict, matrices: dict[str, evaluate.Resul
         elif matrix.baseline:
             logged[f"{mode}/{evaluate.BASELINE}_Rm"] = float(np.mean(list(matrix.baseline.values())))
         run.log_dict(matrix.to_dict(), f"matrix_{mode}.json")
-        matrix.heatmap(plots / f"{run_name}-{mode}.png", title=f"R[i][j] (Rm, task-{mode}) {when}")
-        matrix.curves(plots / f"{run_name}-{mode}-recall.png", title=f"task-{mode} Rm over the stream")
+        what = f"task-{mode.removeprefix(NOREINDEX)}" + (", no-reindex" if mode.startswith(NOREINDEX) else "")
+        matrix.heatmap(plots / f"{run_name}-{mode}.png", title=f"R[i][j] (Rm, {what}) {when}")
+        matrix.curves(plots / f"{run_name}-{mode}-recall.png", title=f"{what} Rm over the stream")
     run.log_metrics(logged)
 
 
 def evaluate_zero_shot(entries: list[dict], before: dict, bundle: models.ClipBundle, batch_size: int,
-                       run: RunLog) -> tuple[list[float], int]:
-    """Retrieval on the held-out tasks `entries` (each in its own gallery), logged per task and as the mean Rm with
-    its drop from the first version evaluated on the same set (`before`: the parent's manifest entry; a stream that
-    starts from a version 0 measures from the pretrained model, as the papers do); returns that mean for every such
-    version so far, and the test pairs embedded."""
+                       run: RunLog, ranks: Optional[dict] = None) -> tuple[list[float], int, list[float]]:
+    """Retrieval on the held-out tasks `entries` (each in its own gallery), and zero-shot classification on those
+    whose test rows carry a `label` of the task's `classes` (`zero_shot_classification`), logged per task and as the
+    means (Rm, top-1 accuracy) with their drop from the first version evaluated on the same set (`before`: the
+    parent's manifest entry; a stream that starts from a version 0 measures from the pretrained model, as the papers
+    do). Returns the mean Rm of every such version so far, the test pairs embedded, and the mean accuracy of every
+    such version so far ([] when no held-out task is labelled). `ranks`, if given, receives each task's (i2t, t2i)
+    query ranks."""
     if not entries:
-        return [], 0
-    embedded = evaluate.embed_tasks(bundle, [_task_of(e) for e in entries], batch_size=batch_size)
+        return [], 0, []
+    tasks = [_task_of(e) for e in entries]
+    embedded = evaluate.embed_tasks(bundle, tasks, batch_size=batch_size)
     scores = {e.task: evaluate.retrieval_metrics(e.img, e.txt, e.positive) for e in embedded}
+    if ranks is not None:
+        ranks.update({name: m.ranks for name, m in scores.items()})
     for name, metrics in scores.items():
         run.log_metrics({f"eval/zero_shot/{name}/{k.replace('@', '')}": v for k, v in metrics.items()})
+    accuracy = {task.name: acc for task, e in zip(tasks, embedded)
+                if (acc := zero_shot_classification(bundle, task, e.img, batch_size))}
+    for name, metrics in accuracy.items():
+        run.log_metrics({f"eval/zero_shot/{name}/{k}": v for k, v in metrics.items()})
     same_set = before.get("tasks") == entries  # (same names, paths and data) else the history restarts
     history = [*(before.get("Rm", []) if same_set else []), float(np.mean([m["Rm"] for m in scores.values()]))]
     run.log_metrics({"zero_shot/Rm": history[-1], "zero_shot/drop": history[0] - history[-1]})
-    return history, sum(len(e.txt) for e in embedded)
+    accuracies = []
+    if accuracy:
+        accuracies = [*(before.get("accuracy", []) if same_set else []),
+                      float(np.mean([m["top1"] for m in accuracy.values()]))]
+        run.log_metrics({"zero_shot/accuracy": accuracies[-1], "zero_shot/accuracy_drop": accuracies[0] - accuracies[-1]})
+    return history, sum(len(e.txt) for e in embedded), accuracies
+
+
+def zero_shot_classification(bundle: models.ClipBundle, task: Task, img: np.ndarray,
+                             batch_size: int) -> Optional[dict[str, float]]:
+    """Top-1 (top-5) accuracy of the task's test images `img` (embedded in the order of its checked rows), each
+    classified among the task's `classes` by their prompts (its `templates`, else `evaluate.TEMPLATES`); the rows
+    without a `label` are left out. None when the task names no classes or no row has a label."""
+    if not task.classes:
+        return None
+    rows = task.check("test").rows
+    labelled = [i for i, r in enumerate(rows) if r.get("label") is not None]
+    if not labelled:
+        return None
+    index = {c: k for k, c in enumerate(task.classes)}
+    vectors = evaluate.class_vectors(bundle, task.classes, task.templates or evaluate.TEMPLATES, batch_size)
+    return evaluate.classification_accuracy(img[labelled], vectors, [index[str(rows[i]["label"])] for i in labelled])
 
 
 def register(registry: Registry, plan: Plan, trained: Path, result: Evaluation, run_id: str) -> str:
@@ -465,9 +668,10 @@ def register(registry: Registry, plan: Plan, trained: Path, result: Evaluation, 
     version of the stream, the model of run `run_id`."""
     return publish(registry, trained, {
         "lineage": [*plan.history, plan.current],
-        "matrix": {"known": result.known.to_dict(), "unknown": result.unknown.to_dict()},
+        "matrix": {name: matrix.to_dict() for name, matrix in result.matrices.items()},
         "config": plan.config, "parent_version": plan.tags["parent_version"],
-        "zero_shot": {"tasks": plan.zero_shot, "Rm": result.zero_shot} if plan.zero_shot else None,
+        "zero_shot": {"tasks": plan.zero_shot, "Rm": result.zero_shot, "accuracy": result.zero_shot_accuracy}
+        if plan.zero_shot else None,
         "unchanged_towers": [t for t in ("image", "text") if plan.parent and t not in plan.method.trains_towers],
         "image_tower": plan.parent.image_tower if plan.parent and "image" not in plan.method.trains_towers else None},
         plan.tags, plan.aliases, run_id)

@@ -81,7 +81,7 @@ def register_version0(source: str, evaluate_dirs: Iterable[str | Path] = (), zer
                         for mode in MODES}
             plots = settings.home / "plots" / run_id
             log_evaluation(run, scores, matrices, plots, run_name, "before any training")
-            history, _ = evaluate_zero_shot(held_out, {}, bundle, BATCH_SIZE, run)
+            history, _, accuracy = evaluate_zero_shot(held_out, {}, bundle, BATCH_SIZE, run)
             run.log_artifacts(plots, "plots")
             version = publish(registry, folder, {
                 "lineage": [], "source": source, "parent_version": "",
@@ -91,7 +91,7 @@ def register_version0(source: str, evaluate_dirs: Iterable[str | Path] = (), zer
                 "languages": [DEFAULT_LANGUAGE],
                 "matrix": {mode: matrices[mode].to_dict() for mode in MODES},
                 "config": {"model": {"arch": bundle.arch, "pretrained": source}, "eval": {"batch_size": BATCH_SIZE}},
-                "zero_shot": {"tasks": held_out, "Rm": history} if held_out else None,
+                "zero_shot": {"tasks": held_out, "Rm": history, "accuracy": accuracy} if held_out else None,
                 "unchanged_towers": [], "image_tower": None}, tags, aliases, run_id)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -1,51 +1,97 @@
-"""`clipstream bench methods`: the report from hand-made result matrices, and the CLI checks that come before
-any training."""
+"""`clipstream bench methods`: the report from hand-made cells (ranks drawn at known hit rates), the CLI checks that
+come before any training, and (full tier) a real run of 2 seeds x 2 methods x 2 tasks, stopped and continued."""
 
+import math
+
+import numpy as np
 import pytest
 
+from clipstream.benchmarks import cells, stats
 from clipstream.benchmarks import continual_methods as bench
 from clipstream.cli import main
-from clipstream.training.evaluate import ResultMatrix
 
 TASKS = ["t0", "t1", "t2"]
 
 
+def _cell(seed, hits, zero_shot, step_ms, sd=None, n=300):
+    """A cell whose R[i][j] hit rate is hits[i][j] (both galleries), its held-out task's zero_shot[i]."""
+    rng = np.random.default_rng(seed)
+    draw = lambda h: tuple(np.where(rng.random(n) < h, 0, 40) for _ in range(2))  # noqa: E731
+    rows = []
+    for i, row in enumerate(hits):
+        known = {TASKS[j]: draw(h) for j, h in enumerate(row)}
+        rows.append({"known": known, "unknown": {t: (a + 5, b + 5) for t, (a, b) in known.items()},
+                     "zero_shot": {"held": draw(zero_shot[i])}})
+    return {"tasks": TASKS, "rows": rows, "step_ms": [100.0, step_ms, step_ms], "seconds": [60.0, 30.0, 30.0],
+            "sd": [{}, *([sd] * 2 if sd else [{}, {}])]}
+
+
 def _results():
-    # finetune: AA (10+20+60)/3 = 30.0; forgetting ((50-10) + (70-20))/2 = 45.0; BWT ((10-50) + (20-70))/2 = -45.0
-    # ewc:      AA (40+50+60)/3 = 50.0; forgetting ((50-40) + (60-50))/2 = 10.0; BWT ((40-50) + (50-60))/2 = -10.0
-    return {
-        "finetune": {"known": ResultMatrix(TASKS, [[50], [30, 70], [10, 20, 60]]),
-                     "unknown": ResultMatrix(TASKS, [[40], [20, 50], [5, 10, 45]]),  # AA 20.0
-                     "step_ms": 200.0, "seconds": 120.0, "zero_shot": [40.0, 30.0, 25.5]},  # drop 14.5
-        "ewc": {"known": ResultMatrix(TASKS, [[50], [45, 60], [40, 50, 60]]),
-                "unknown": ResultMatrix(TASKS, [[40], [35, 45], [30, 33, 36]]),  # AA 33.0
-                "step_ms": 300.0, "seconds": 150.0,
-                "sd": {"sd/image_rotation_mean": 31.0, "sd/text_rotation_mean": 22.5,
-                       "sd/intermodal_deviation_mean": 9.25, "sd/imav_le5_pct": 80.0}},
-    }
+    sd = {"sd/image_rotation_mean": 31.0, "sd/text_rotation_mean": 22.5, "sd/intermodal_deviation_mean": 9.25,
+          "sd/imav_le5_pct": 80.0}
+    return {"finetune": {s: _cell(s, [[0.8], [0.3, 0.8], [0.1, 0.2, 0.8]], [0.6, 0.4, 0.3], 200.0) for s in (0, 1)},
+            "ewc weight=100": {s: _cell(10 + s, [[0.8], [0.7, 0.8], [0.7, 0.7, 0.8]], [0.6, 0.6, 0.6], 300.0, sd)
+                               for s in (0, 1)}}
 
 
-def test_report_has_the_numbers_the_ratio_and_the_plot(tmp_path):
+def test_the_report_has_intervals_paired_differences_recall_and_the_plots(tmp_path):
+    results = _results()
+    streams = cells.streams(results)
+    tables = bench.statistics(3, stats.modes(streams))
+    summary = stats.bootstrap(streams, [st for t in tables.values() for st in t], "finetune", resamples=200)
     out = tmp_path / "results" / "methods.md"
-    text = bench.methods_report(_results(), out, "clipstream bench methods --tasks 2 --seed 0", "CPU (test)", "s")
+    text = bench.methods_report(summary, results, tables, out, "clipstream bench methods --seeds 0,1", "CPU (test)",
+                                "s")
     assert out.read_text() == text
-    assert "Reproduce: `clipstream bench methods --tasks 2 --seed 0`" in text and "Device: CPU (test)" in text
-    assert ("| method | AA | forgetting | BWT | final Rm (task-unknown AA) | zero-shot Rm | zero-shot drop "
-            "| step time ×finetune | minutes |") in text
-    assert "| finetune | 30.0 | 45.0 | -45.0 | 20.0 | 25.5 | 14.5 | 1.00 | 2.0 |" in text
-    assert "| ewc | 50.0 | 10.0 | -10.0 | 33.0 | - | - | 1.50 | 2.5 |" in text  # (evaluated on no held-out task)
-    assert "| ewc | 31.0 | 22.5 | 9.2 | 80.0 |" in text and text.count("| finetune |") == 1  # no SD for finetune
-    png = out.with_suffix(".png")
-    assert "](methods.png)" in text
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    assert "Reproduce: `clipstream bench methods --seeds 0,1`" in text and "Device: CPU (test). Stream: s." in text
+    assert "Seeds 0, 1; test pairs per task: 300." in text and "hierarchical bootstrap of 200 resamples" in text
+    assert ("| method | AA | forgetting (lower is better) | BWT | final Rm (task-unknown AA) | zero-shot Rm "
+            "| zero-shot drop (lower is better) | step time ×finetune | minutes |") in text
+    ft, ewc = summary.estimates["finetune"], summary.estimates["ewc weight=100"]
+    row = next(line for line in text.splitlines() if line.startswith("| ewc weight=100 | "))
+    assert row.startswith(f"| ewc weight=100 | {ewc['AA'].format()} | {ewc['forgetting'].format()} |")
+    assert row.endswith("| 1.50 | 2.0 |")
+    # AA (.7 + .7 + .8) / 3 against (.1 + .2 + .8) / 3; forgetting (10 + 10) / 2 against (70 + 60) / 2
+    assert 70 < ewc["AA"].point < 77 and 33 < ft["AA"].point < 40
+    assert 5 < ewc["forgetting"].point < 15 and 58 < ft["forgetting"].point < 72
+    assert "| task-known R@1 | task-known R@5 | task-known R@10 | task-unknown R@1 |" in text
+    # R@1 of the unknown gallery: every rank moved down by 5, nothing left at rank 0
+    assert summary.estimates["ewc weight=100"]["task-unknown R@1"].point == 0
+    assert ewc["task-unknown R@10"].point == pytest.approx(ewc["task-known R@1"].point)
+    section = text.split("## Paired difference against finetune")[1]
+    assert "Δ forgetting (finetune − method: > 0 = lower)" in section and "Δ AA (method − finetune)" in section
+    ewc_diff = next(line for line in section.splitlines() if line.startswith("| ewc weight=100 | "))
+    assert ewc_diff.endswith("| AA, forgetting, BWT, final Rm (task-unknown AA), zero-shot Rm, zero-shot drop | - |")
+    assert "| ewc weight=100 | 31.0 | 22.5 | 9.2 | 80.0 |" in text and "| finetune | 31.0" not in text
+    assert "## Every gallery mode" not in text  # task-known and task-unknown only: the tables above have them
+    for png in (out.with_suffix(".png"), out.with_name("methods-forest.png")):
+        assert png.name in text and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
 
 
-def test_report_without_finetune_has_no_ratio(tmp_path):
+def test_a_report_without_finetune_has_no_differences_or_ratio(tmp_path):
     results = _results()
     del results["finetune"]
-    text = bench.methods_report(results, tmp_path / "m.md", "cmd", "CPU")
-    assert "| ewc | 50.0 | 10.0 | -10.0 | 33.0 | - | - | - | 2.5 |" in text
-    assert (tmp_path / "m.png").exists()
+    streams = cells.streams(results)
+    tables = bench.statistics(3)
+    summary = stats.bootstrap(streams, [st for t in tables.values() for st in t], None, resamples=20)
+    text = bench.methods_report(summary, results, tables, tmp_path / "m.md", "cmd", "CPU")
+    assert "## Paired difference" not in text and not (tmp_path / "m-forest.png").exists()
+    assert next(line for line in text.splitlines() if line.startswith("| ewc weight=100 | ")).endswith("| - | 2.0 |")
+
+
+def test_a_gallery_mode_beyond_the_two_gets_its_own_table(tmp_path):
+    results = _results()
+    for by_seed in results.values():
+        for cell in by_seed.values():
+            for row in cell["rows"]:
+                row["no-reindex"] = row["unknown"]
+    streams = cells.streams(results)
+    tables = bench.statistics(3, stats.modes(streams))
+    summary = stats.bootstrap(streams, [st for t in tables.values() for st in t], "finetune", resamples=20)
+    text = bench.methods_report(summary, results, tables, tmp_path / "m.md", "cmd", "CPU")
+    assert "| method | known AA | known forgetting | no-reindex AA | no-reindex forgetting | unknown AA |" in text
+    assert math.isclose(summary.estimates["finetune"]["no-reindex AA"].point,
+                        summary.estimates["finetune"]["final Rm (task-unknown AA)"].point)
 
 
 def test_help_exits_0(capsys):
@@ -53,7 +99,8 @@ def test_help_exits_0(capsys):
         main(["bench", "methods", "--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--tasks", "--seed", "--methods", "--workers", "--set", "--out"):
+    for flag in ("--tasks", "--seeds", "--methods", "--workers", "--set", "--out", "--test-per-task", "--vary",
+                 "--fresh", "--cache", "--resamples", "--start-with", "ewc weight=100"):
         assert flag in out
 
 
@@ -62,16 +109,49 @@ def test_help_exits_0(capsys):
     (["--methods", "finetune,finetune"], "given more than once: finetune"),
     (["--methods", "finetune", "--set", "train.nope=1"], "has no key 'train.nope'"),
     (["--methods", "finetune", "--workers", "0"], "workers must be >= 1"),
+    (["--methods", "finetune", "--seeds", ""], "--seeds: give at least one seed"),
+    (["--methods", "finetune", "--seeds", "1,1"], "seed(s) 1 given more than once"),
+    (["--methods", "finetune", "--test-per-task", "0"], "--test-per-task must be between 1 and 1500, got 0"),
+    (["--methods", "finetune", "--test-per-task", "1501"], "--test-per-task must be between 1 and 1500"),
+    (["--methods", "finetune,ewc", "--vary", "nope=1,2"], "--vary nope: none of ewc has that key"),
+    (["--methods", "finetune,ewc", "--vary", "weight"], "--vary weight: must look like KEY=V1,V2"),
+    (["--methods", "finetune", "--resamples", "5"], "--resamples must be >= 10"),
 ])
 def test_bad_input_exits_2_before_any_training(argv, message, settings, monkeypatch, capsys):
     def boom(*args, **kwargs):
         raise AssertionError("training or synthesis started")
 
     monkeypatch.setattr(bench, "synthesize", boom)
-    monkeypatch.setattr(bench, "run_task", boom)
+    monkeypatch.setattr(cells, "train_task", boom)
     assert main(["bench", "methods", *argv]) == 2
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]
     assert last.startswith("clipstream: error: ") and message in last
     assert "Traceback" not in err
     assert not (settings.data_dir.exists() and any(settings.data_dir.iterdir()))
+
+
+@pytest.mark.slow
+def test_a_real_run_of_two_seeds_two_methods_two_tasks_stopped_and_continued(ray_cluster, settings, tmp_path,
+                                                                            monkeypatch, capsys):
+    """The whole path on a tiny stream: the start trained once per seed and shared, every version's ranks cached,
+    the report's intervals; a second run with one more method trains only that method's tasks."""
+    tiny = ["train.epochs=1", "train.micro_batch=16"]
+    out = tmp_path / "results" / "methods.md"
+    jobs = []
+    real = cells.train_task
+    monkeypatch.setattr(cells, "train_task", lambda *a, **k: jobs.append(a[2]) or real(*a, **k))
+    options = dict(tasks=1, seeds=[0, 1], workers=1, overrides=tiny, out=out, start_with="finetune",
+                   test_per_task=40, resamples=100)
+    bench.methods(settings, names=["finetune", "lwf"], **options)
+    assert jobs == ["finetune", "finetune", "lwf"] * 2  # per seed: the shared start, then each method's task 2
+    text = bench.methods(settings, names=["finetune", "lwf", "modx"], **options)
+    assert jobs[6:] == ["modx", "modx"] and capsys.readouterr().out.count("finished before") == 4
+    assert "--seeds 0,1 --test-per-task 40 --methods finetune,lwf,modx --workers 1" in text
+    assert "Seeds 0, 1; test pairs per task: 40." in text
+    for label in ("finetune", "lwf", "modx"):
+        row = next(line for line in text.splitlines() if line.startswith(f"| {label} | "))
+        aa = row.split(" | ")[1]  # "54.3 [50.1, 58.0]"
+        point, lo, hi = float(aa.split(" [")[0]), *map(float, aa.split(" [")[1].rstrip("]").split(", "))
+        assert 0 < lo <= point <= hi <= 100
+    assert out.with_name("methods-forest.png").exists()

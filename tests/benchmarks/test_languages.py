@@ -1,30 +1,43 @@
-"""`clipstream bench languages`: the report from hand-made R matrices."""
+"""`clipstream bench languages`: the report from hand-made cells, and the checks before anything trains."""
 
+import numpy as np
 import pytest
 
+from clipstream.benchmarks import cells, stats
 from clipstream.benchmarks import languages as bench
-from clipstream.training.evaluate import ResultMatrix
 
 TASKS = ["task-00-lang-en", "task-01-lang-xa", "task-02-lang-xb"]
 
 
-def _matrix(rows):
-    m = ResultMatrix()
-    for task, row in zip(TASKS, rows):
-        m.add_row(task, dict(zip(TASKS, row)))
-    return m
+def _cell(seed, hits, n=200):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i, row in enumerate(hits):
+        known = {TASKS[j]: tuple(np.where(rng.random(n) < h, 0, 30) for _ in range(2)) for j, h in enumerate(row)}
+        rows.append({"known": known, "unknown": known})
+    return {"tasks": TASKS, "rows": rows, "step_ms": [1.0] * 3, "seconds": [1.0] * 3, "sd": [{}] * 3}
 
 
-def test_the_report_has_aa_forgetting_and_the_first_languages_forgetting_per_stream(tmp_path):
-    matrices = {"embeddings": _matrix([[80.0], [50.0, 60.0], [40.0, 30.0, 70.0]]),
-                "teir": _matrix([[80.0], [78.0, 50.0], [79.0, 48.0, 60.0]])}
+def test_the_report_has_english_forgetting_intervals_differences_and_the_mean_matrices(tmp_path):
+    results = {"embeddings": {s: _cell(s, [[0.8], [0.5, 0.6], [0.4, 0.3, 0.7]]) for s in (0, 1)},
+               "teir": {s: _cell(5 + s, [[0.8], [0.78, 0.5], [0.79, 0.48, 0.6]]) for s in (0, 1)}}
+    tables = bench.statistics(3, TASKS[0])
+    summary = stats.bootstrap(cells.streams(results), [st for t in tables.values() for st in t], "embeddings",
+                              resamples=100)
     out = tmp_path / "languages.md"
-    text = bench.languages_report(matrices, 3, 0, ["train.epochs=2"], out)
-    assert "`clipstream bench languages --languages 3 --seed 0 --set train.epochs=2 --out " + str(out) + "`" in text
-    # AA (40+30+70)/3; forgetting: en 80-40, xa 60-30; English's own
-    assert "| embeddings | cllclip | 46.7 | 35.0 | 40.0 | 40.0 |" in text
-    assert "| teir | teir | 62.3 | 1.5 | 1.0 | 79.0 |" in text
-    assert (tmp_path / "languages.png").stat().st_size > 0
+    text = bench.languages_report(summary, results, tables, 3, 200, ["train.epochs=2"], [], 2, out)
+    assert ("`clipstream bench languages --languages 3 --seeds 0,1 --test-per-task 200 --streams embeddings,teir "
+            f"--workers 2 --set train.epochs=2 --resamples 100 --out {out}`") in text
+    assert ("| stream | preset | AA | forgetting (lower is better) | forgetting on task-00-lang-en (lower is better) "
+            "| task-00-lang-en Rm at the end | final Rm (task-unknown AA) |") in text
+    emb, teir = summary.estimates["embeddings"], summary.estimates["teir"]
+    assert 30 < emb["forgetting on task-00-lang-en"].point < 50 and teir["forgetting on task-00-lang-en"].point < 5
+    assert f"| teir | teir | {teir['AA'].format()} |" in text
+    diff = next(line for line in text.splitlines() if line.startswith("| teir | +"))
+    assert "forgetting on task-00-lang-en" in diff.split(" | ")[-2]  # teir beats embeddings on English forgetting
+    assert "## teir (task-known R, mean over seeds)" in text and "task-02-lang-xb" in text
+    for png in ("languages.png", "languages-forest.png"):
+        assert (tmp_path / png).stat().st_size > 1000 and png in text
 
 
 def test_unknown_streams_and_a_stream_without_a_second_language_are_refused(tmp_path):
@@ -32,3 +45,7 @@ def test_unknown_streams_and_a_stream_without_a_second_language_are_refused(tmp_
         bench.main(["--streams", "teir,nope"])
     with pytest.raises(ValueError, match="at least one more language"):
         bench.languages(None, 1, ["teir"])
+    with pytest.raises(ValueError, match="seed.s. 2 given more than once"):
+        bench.languages(None, 3, ["teir"], seeds=[2, 2])
+    with pytest.raises(ValueError, match="--vary nope: none of teir"):
+        bench.languages(None, 3, ["embeddings", "teir"], vary=[("nope", ["1"])])

@@ -111,9 +111,12 @@ def test_fit_ratio_and_the_expected_work():
     assert math.isnan(bench.fit_ratio([2], [1.0])) and math.isnan(bench.fit_ratio([2, 3], [1.0, math.nan]))
     er = {"shape": "bounded", "buffer": 200, "pairs": 64, "tasks": [_task(t, 64, 10.0, 1.0) for t in range(1, 9)]}
     assert bench.growth(er)["work"] == pytest.approx(264 / 128)  # 64 + min(200, 64 (t - 1)): full from task 5
-    assert bench.shape_of({"method": {"joint": {}}}) == ("linear", None)
-    assert bench.shape_of({"method": {"ctp": {}, "er": {"buffer_pairs": 50}}}) == ("bounded", 50)
-    assert bench.shape_of({"method": {}}) == ("flat", None)
+    assert bench.shape_of({"method": {"joint": {}}}, 8, 64) == ("linear", None)
+    assert bench.shape_of({"method": {"ctp": {}, "er": {"buffer_pairs": 50, "buffer_fraction": None}}}, 8, 64) == \
+        ("bounded", 50)
+    # 1% of 8 tasks of 64 pairs: 5.12 pairs, each task's share rounded up or down
+    assert bench.shape_of({"method": {"er": {"buffer_pairs": None, "buffer_fraction": 0.01}}}, 8, 64) == ("bounded", 14)
+    assert bench.shape_of({"method": {}}, 8, 64) == ("flat", None)
 
 
 def test_the_stream_has_equal_tasks(tmp_path):

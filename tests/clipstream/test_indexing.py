@@ -105,6 +105,47 @@ def test_reindex_matches_the_in_memory_evaluator(trained, backend, ray, tmp_path
             assert through[mode][name] == pytest.approx(direct[mode][name], abs=1e-9), (mode, name)
 
 
+def test_the_index_and_the_evaluation_agree_on_a_language_stream_under_both_policies(tmp_path):
+    """A language stream (the same images in every task, each task its own copy of the files): ranked through a
+    Qdrant index under each policy, the scores are the in-memory evaluator's (reindex: `evaluate_seen`; no-reindex:
+    each task's gallery as its own version embedded it, the rows `job.evaluate_version` logs): one rule of
+    positives, the same image in another language's gallery a hit. Under reindex the union's copies of an image are
+    one image: text->image task-unknown R@1 is the task-known one."""
+    from dataclasses import replace
+
+    from clipstream.indexing import put_lineage
+    from clipstream.settings import Settings
+    from clipstream.training.data.synth import synthesize_languages
+    from tests.conftest import register_version
+
+    dirs = synthesize_languages(tmp_path / "langs", 2, seed=1, train_pairs=40, test_per_task=12, progress=False)
+    settings = Settings(home=tmp_path / "home").ensure_dirs()
+    for k in range(2):
+        register_version(settings, seed=k + 1, task_dirs=dirs[:k + 1], parent=str(k) if k else "")
+    registry = Registry(settings)
+    no_reindex = settings.model_copy(update={"qdrant_path": tmp_path / "no-reindex"})
+    for k, folder in enumerate(dirs):
+        index_task(no_reindex, str(k + 1), folder, "no-reindex")
+    reindex = settings.model_copy(update={"qdrant_path": tmp_path / "reindex", "index_policy": "reindex"})
+    put_lineage(reindex, registry.resolve("2"))
+
+    bundles = [models.load_exported(registry.resolve(str(k + 1)).folder) for k in range(2)]
+    tasks = [Task.load(d) for d in dirs]
+    queries = evaluate.embed_tasks(bundles[-1], tasks)
+    own = [evaluate.embed_task(b, t) for b, t in zip(bundles, tasks)]
+    expected = {"reindex": evaluate.evaluate_seen(queries),
+                "no-reindex": evaluate.evaluate_seen(queries, [replace(q, img=o.img, txt=o.txt)
+                                                               for q, o in zip(queries, own)])}
+    for policy, where in (("reindex", reindex), ("no-reindex", no_reindex)):
+        with open_index(where) as index:
+            through = evaluate_through_index(index, bundles[-1], tasks)
+        for mode in ("known", "unknown"):
+            for name in expected[policy][mode]:
+                assert through[mode][name] == pytest.approx(expected[policy][mode][name], abs=1e-9), (policy, mode)
+    for name, scores in expected["reindex"]["unknown"].items():
+        assert scores["t2i_R@1"] == expected["reindex"]["known"][name]["t2i_R@1"]
+
+
 def test_reindex_is_refused_when_an_indexed_tasks_data_is_gone(trained, tmp_path):
     settings, dirs = trained
     settings = _backend(settings, "edge", tmp_path)

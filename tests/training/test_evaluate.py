@@ -1,4 +1,6 @@
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -7,12 +9,19 @@ from PIL import Image
 from clipstream.training.evaluate import (
     BASELINE,
     KS,
+    TEMPLATES,
     Embedded,
     GalleryCache,
     ResultMatrix,
+    UnionPositives,
+    class_vectors,
+    classification_accuracy,
     embed_task,
     embed_tasks,
     evaluate_seen,
+    flat_ranks,
+    metrics_from_ranks,
+    nested_ranks,
     positives,
     recall_at_k,
     retrieval_metrics,
@@ -207,6 +216,121 @@ def test_evaluate_seen_rejects_duplicates_and_bad_shapes():
         Embedded("B", np.eye(2), np.eye(3), np.eye(2, dtype=bool))
 
 
+def languages(n_tasks=3, n=30, d=16, seed=0):
+    """A language stream as evaluate_seen sees it: every task shows the same n images (one copy of the files each,
+    so the same content keys and, under one model, the same image vectors) with captions of its own language."""
+    img = unit_rows(n, d, seed)
+    keys = [f"sha-{i}" for i in range(n)]
+    out = []
+    for t in range(n_tasks):
+        txt = img + 0.9 * unit_rows(n, d, seed + 1 + t)  # each language's captions near their image, noisily
+        txt /= np.linalg.norm(txt, axis=1, keepdims=True)
+        captions = [f"lang{t} caption {i}" for i in range(n)]
+        out.append(Embedded(f"lang-{t}", img.copy(), txt, positives(keys, captions), keys, captions))
+    return out
+
+
+def test_a_language_streams_text_to_image_hits_the_same_image_in_any_language():
+    tasks = languages()
+    fixed = evaluate_seen(tasks)["unknown"]
+    # before: the other languages' copies of the positive image tie with it as negatives: R@1 is 0 for every query
+    before = evaluate_seen([Embedded(e.task, e.img, e.txt, e.positive) for e in tasks])["unknown"]
+    assert all(before[e.task]["t2i_R@1"] == 0.0 for e in tasks)
+    for e in tasks:
+        assert fixed[e.task]["t2i_R@1"] > 0
+        # the deduplicated union gallery (one copy of each image: the task's own) gives the same R@1
+        assert fixed[e.task]["t2i_R@1"] == pytest.approx(100 * recall_at_k(e.txt @ e.img.T, e.positive.T, (1,))[1])
+        # image->text: a caption of the same image in any language is a hit (the union gallery, positives by key)
+        union_txt = np.concatenate([x.txt for x in tasks])
+        same_image = np.tile(np.eye(len(e.img), dtype=bool), len(tasks))
+        assert fixed[e.task]["i2t_R@1"] == pytest.approx(100 * recall_at_k(e.img @ union_txt.T, same_image, (1,))[1])
+
+
+def test_tasks_sharing_no_content_score_as_before_the_fix():
+    tasks = []
+    for t in range(3):
+        img = unit_rows(25, 16, 10 + t)
+        txt = img + unit_rows(25, 16, 20 + t)
+        txt /= np.linalg.norm(txt, axis=1, keepdims=True)
+        keys, captions = [f"t{t}-{i}" for i in range(25)], [f"task {t} caption {i % 20}" for i in range(25)]
+        tasks.append(Embedded(f"t{t}", img, txt, positives(keys, captions), keys, captions))
+    old_rule = [Embedded(e.task, e.img, e.txt, e.positive) for e in tasks]  # positives inside the task only
+    assert evaluate_seen(tasks) == evaluate_seen(old_rule)
+
+
+def test_an_identical_caption_in_another_task_is_a_positive():
+    # task A's image a0 is nearest B's caption "a red cup" (B's image of it is another picture): with captions known
+    # that is a hit, as `positives` counts identical captions inside one task; without, a negative ranked first.
+    f = np.float32
+    a = Embedded("A", np.array([[1, 0, 0], [0, 1, 0]], f), np.array([[0.8, 0.6, 0], [0, 1, 0]], f), np.eye(2, dtype=bool),
+                 ["ka0", "ka1"], ["a red cup", "a blue hat"])
+    b = Embedded("B", np.array([[0, 0, 1]], f), np.array([[1, 0, 0]], f), np.eye(1, dtype=bool),
+                 ["kb0"], ["a red cup"])
+    assert evaluate_seen([a, b])["unknown"]["A"]["i2t_R@1"] == 100.0
+    assert evaluate_seen([replace(a, keys=None, captions=None), b])["unknown"]["A"]["i2t_R@1"] == 50.0
+    with pytest.raises(ValueError, match="both keys and captions"):
+        replace(a, captions=None)
+    with pytest.raises(ValueError, match="one of each per row"):
+        replace(a, keys=["ka0"])
+
+
+def test_union_positives_are_built_per_chunk_of_queries(monkeypatch):
+    import clipstream.training.evaluate as ev
+
+    tasks = languages(n=30)
+    whole = evaluate_seen(tasks)
+    monkeypatch.setattr(ev, "_QUERY_CHUNK", 7)  # chunks that straddle nothing special: same numbers
+    assert evaluate_seen(tasks) == whole
+    union = UnionPositives(tasks)
+    rows = union.rows(1, "t2i", 3, 10)
+    assert rows.shape == (7, 90) and rows.sum() == 7 * 3  # each caption: its image in each of the 3 tasks
+    with pytest.raises(ValueError, match="direction"):
+        union.rows(0, "x", 0, 1)
+
+
+def test_no_reindex_ranks_todays_queries_against_the_galleries_each_version_made():
+    # Two tasks of two pairs. Today's model embeds both alike (perfect pairs: reindex scores 100 everywhere). Task A's
+    # gallery as its own (older) version made it has the two captions swapped: today's image a0 is nearest the
+    # vector stored for caption 1, so under no-reindex A's image->text R@1 is 0 (and text->image, against A's old
+    # image vectors, likewise). Task B's gallery is today's (it is the current task): its known row is reindex's.
+    f = np.float32
+    e = np.eye(4, dtype=f)
+    today = [Embedded("A", e[:2], e[:2].copy(), np.eye(2, dtype=bool), ["a0", "a1"], ["ca0", "ca1"]),
+             Embedded("B", e[2:], e[2:].copy(), np.eye(2, dtype=bool), ["b0", "b1"], ["cb0", "cb1"])]
+    stored = [replace(today[0], img=e[:2][::-1].copy(), txt=e[:2][::-1].copy()), today[1]]
+    reindex, noreindex = evaluate_seen(today), evaluate_seen(today, stored)
+    assert all(m["Rm"] == 100.0 for mode in reindex.values() for m in mode.values())
+    assert noreindex["known"]["A"]["i2t_R@1"] == noreindex["known"]["A"]["t2i_R@1"] == 0.0
+    assert noreindex["known"]["B"] == reindex["known"]["B"]  # the diagonal: the current task's own gallery
+    assert noreindex["unknown"]["A"]["i2t_R@1"] == 0.0 and noreindex["unknown"]["B"]["i2t_R@1"] == 100.0
+    with pytest.raises(ValueError, match="same rows"):
+        evaluate_seen(today, stored[:1])
+    with pytest.raises(ValueError, match="same rows"):
+        evaluate_seen(today, [stored[0], replace(today[1], img=e[2:3], txt=e[2:3], positive=np.eye(1, dtype=bool),
+                                                 keys=None, captions=None)])
+
+
+def test_every_query_keeps_its_rank_and_the_metrics_are_its_recall():
+    # the example of test_evaluate_seen_unknown_gallery_distracts: in the union gallery a0, t1, b0 and u0 have one
+    # negative above their positive
+    f = np.float32
+    a = Embedded("A", np.array([[1, 0, 0, 0], [0, 1, 0, 0]], f), np.array([[0.6, 0, 0.8, 0], [0, 0.6, 0, 0.8]], f),
+                 np.eye(2, dtype=bool))
+    b = Embedded("B", np.array([[0, 0, 0, 1]], f), np.array([[0.8, 0, 0, 0.6]], f), np.eye(1, dtype=bool))
+    out = evaluate_seen([a, b])
+    ranks = {mode: {t: tuple(r.tolist() for r in m.ranks) for t, m in per_task.items()}
+             for mode, per_task in out.items()}
+    assert ranks == {"known": {"A": ([0, 0], [0, 0]), "B": ([0], [0])},
+                     "unknown": {"A": ([1, 0], [0, 1]), "B": ([1], [1])}}
+    rng = np.random.default_rng(0)
+    i2t, t2i = rng.integers(0, 30, 50), rng.integers(0, 30, 50)
+    m = metrics_from_ranks(i2t, t2i)
+    assert m["i2t_R@5"] == 100 * np.mean(i2t < 5) and m["t2i_R@10"] == 100 * np.mean(t2i < 10)
+    assert m.ranks[0] is i2t and m.ranks[1] is t2i
+    back = nested_ranks(flat_ranks({"known": {"A": m.ranks}, "zero_shot": {"Z": (i2t[:3], t2i[:3])}}))
+    assert back["known"]["A"][1].tolist() == t2i.tolist() and back["zero_shot"]["Z"][0].tolist() == i2t[:3].tolist()
+
+
 # ---------------------------------------------------------------- ResultMatrix
 
 # R = [[80], [85, 70], [50, 75, 90]] over tasks a, b, c:
@@ -390,6 +514,27 @@ def test_embed_tasks_gives_a_real_model_the_vectors_embed_task_does(stream):
         assert retrieval_metrics(a.img, a.txt, a.positive) == retrieval_metrics(b.img, b.txt, b.positive)
 
 
+def test_a_real_language_streams_copies_of_an_image_share_its_content_key(tmp_path):
+    """Three language tasks of the synthesiser (each with its own copy of the image files) through a real model:
+    the rows of an image share one key across the tasks, and text->image task-unknown R@1 is what the task's own
+    gallery (the deduplicated union: one copy of each image) gives, no longer 0."""
+    import torch
+
+    from clipstream import models
+    from clipstream.training.data.synth import synthesize_languages
+    from clipstream.training.data.task import Task
+
+    dirs = synthesize_languages(tmp_path / "langs", 3, seed=0, train_pairs=40, test_per_task=16, progress=False)
+    torch.manual_seed(0)
+    embedded = embed_tasks(models.create("clipstream-vit-tiny"), [Task.load(d) for d in dirs])
+    assert embedded[0].keys == embedded[1].keys == embedded[2].keys and len(set(embedded[0].keys)) == 16
+    assert embedded[0].captions != embedded[1].captions
+    scores = evaluate_seen(embedded)
+    for e in embedded:
+        dedup = 100 * recall_at_k(e.txt @ e.img.T, e.positive.T, (1,))[1]
+        assert scores["unknown"][e.task]["t2i_R@1"] == pytest.approx(dedup) and dedup > 0
+
+
 def test_gallery_cache_holds_the_last_versions_vectors_by_run_and_task_entry():
     entries = [{"task": "a", "path": "/d/a", "data_sha": "1"}, {"task": "b", "path": "/d/b", "data_sha": "2"}]
     embedded = [Embedded(e["task"], unit_rows(3, 4, i), unit_rows(3, 4, i + 9), np.eye(3, dtype=bool))
@@ -414,14 +559,15 @@ def test_each_version_embeds_each_gallery_once_and_the_next_job_reuses_its_paren
                                                                                   monkeypatch):
     """Two jobs' evaluations in one process: the second embeds the two seen galleries with its own model and takes
     its parent's vectors of the first task from the parent's evaluation instead of embedding them again; the
-    spatial disorder it logs is the one a fresh embedding by the parent gives."""
+    spatial disorder it logs is the one a fresh embedding by the parent gives. Its no-reindex row ranks its queries
+    against those vectors of the parent's, which another process reads from the parent's run."""
     import tempfile
 
     import torch
 
     from clipstream import models
     from clipstream.registry import Registry
-    from clipstream.training import diagnostics
+    from clipstream.training import diagnostics, evaluate
     from clipstream.training.data.task import Task
     from clipstream.training.engine import METHOD_STATE_FILE
     from clipstream.training.job import evaluate_version, prepare, register
@@ -448,7 +594,7 @@ def test_each_version_embeds_each_gallery_once_and_the_next_job_reuses_its_paren
             models.export(models.create(plan.config["model"]["arch"]), trained)
             save_state(plan.method.state_dict(), trained / METHOD_STATE_FILE)
             embedded.clear()
-            result = evaluate_version(plan, trained, settings.home / "plots" / run_id, registry.log(run_id))
+            result = evaluate_version(registry, plan, trained, settings.home / "plots" / run_id, registry.log(run_id))
             versions.append(register(registry, plan, trained, result, run_id))
             runs.append(run_id)
         gallery = sum(len(Task.load(p).check("test").rows) for p in stream[: seed + 1])
@@ -464,7 +610,76 @@ def test_each_version_embeds_each_gallery_once_and_the_next_job_reuses_its_paren
     logged = registry.run_metrics(runs[1])
     assert {k: logged[k] for k in expected} == pytest.approx(expected, abs=1e-6, nan_ok=True)
 
+    # no-reindex: version 2's queries against task 0's gallery as version 1 embedded it (its own task's vectors,
+    # logged with its run), and task 1's as version 2 does; the task-known diagonal is reindex's
+    new1 = embed_task(child, Task.load(stream[1]))
+    expected = evaluate_seen([new, new1], [old, new1])
+    matrices = {name: ResultMatrix.from_dict(m) for name, m in registry.resolve(versions[1]).manifest["matrix"].items()}
+    assert set(matrices) == {"known", "unknown", "noreindex_known", "noreindex_unknown"}
+    for mode in ("known", "unknown"):
+        assert matrices[f"noreindex_{mode}"].values[1].tolist() == pytest.approx(
+            [expected[mode][t.name]["Rm"] for t in map(Task.load, stream)], abs=1e-6)
+        assert matrices[f"noreindex_{mode}"].values[0, 0] == matrices[mode].values[0, 0]  # row 1: the same gallery
+    assert np.diag(matrices["noreindex_known"].values).tolist() == np.diag(matrices["known"].values).tolist()
+    assert logged["noreindex_known/AA"] == pytest.approx(matrices["noreindex_known"].average_accuracy())
+    assert {"matrix_noreindex_unknown.json", "gallery_vectors.npz"} <= {
+        a.path for a in registry.client.list_artifacts(runs[1])}
+
+    # another process's job (nothing cached) reads version 1's vectors from its run; without them (a version
+    # registered before they were kept) version 1's model embeds them again
+    from urllib.parse import urlparse
+
+    from clipstream.training import job
+
+    monkeypatch.setattr(evaluate, "GALLERIES", evaluate.GalleryCache())
+    galleries, again = job.noreindex_galleries(registry, plan, [new, new1], 256, models.placement())
+    assert again == 0 and [g.task for g in galleries] == [new.task, new1.task] and galleries[1] is new1
+    np.testing.assert_allclose(galleries[0].img, old.img, atol=1e-6)
+    (Path(urlparse(registry.client.get_run(runs[0]).info.artifact_uri).path) / job.GALLERY_VECTORS).unlink()
+    galleries, again = job.noreindex_galleries(registry, plan, [new, new1], 256, models.placement())
+    assert again == len(old.txt)
+    np.testing.assert_allclose(galleries[0].txt, old.txt, atol=1e-6)
+
 
 def test_curves_draw_each_tasks_rm_from_the_task_that_brought_it(tmp_path):
     path = matrix().curves(tmp_path / "plots" / "recall.png", title="test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+# ---------------------------------------------------------------- zero-shot classification
+
+
+def test_classification_accuracy_hand_computed_top1_top5_and_pessimistic_ties():
+    classes = np.eye(7, dtype=np.float32)  # 7 classes: top-5 is reported too
+    img = np.zeros((4, 7), np.float32)
+    img[0, [2, 4]] = [1.0, 0.5]  # class 2 first, 4 second
+    img[1, [2, 4]] = [1.0, 0.5]
+    img[2] = np.array([7, 6, 5, 4, 3, 2, 1], np.float32)  # class 6 is last of seven
+    img[3, [1, 3]] = [0.8, 0.8]  # a tie between its class and another
+    acc = classification_accuracy(img, classes, [2, 4, 6, 3])
+    # image 0 right; image 1's class second (top-5 hit); image 2's seventh (a miss); image 3's tie counts against it
+    assert acc == {"top1": 25.0, "top5": 75.0}
+    assert classification_accuracy(img[:, :5], classes[:5, :5], [2, 4, 4, 3]) == {"top1": 25.0}  # 5 classes: no top-5
+    assert classification_accuracy(img, classes, [2, 2, 0, 1]) == {"top1": 75.0, "top5": 100.0}  # (3: the tie)
+    for labels in ([2, 4, 6], [2, 4, 6, 7], [2, 4, 6, -1]):
+        with pytest.raises(ValueError):
+            classification_accuracy(img, classes, labels)
+
+
+def test_class_vectors_average_each_class_prompts_and_renormalise():
+    import torch
+
+    from clipstream import models
+
+    torch.manual_seed(0)
+    bundle = models.create("clipstream-vit-tiny")
+    classes, templates = ["kite", "drum", "robot"], ["a photo of a {}.", "a {} on a table"]
+    vectors = class_vectors(bundle, classes, templates, batch_size=4)  # batches across the classes' prompts
+    assert vectors.shape == (3, bundle.embed_texts(["x"]).shape[1])
+    for row, name in zip(vectors, classes):  # class-major: row c is c's prompts, and no other class's
+        mean = bundle.embed_texts([t.replace("{}", name) for t in templates]).mean(axis=0)
+        np.testing.assert_allclose(row, mean / np.linalg.norm(mean), atol=1e-5)
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    assert len(TEMPLATES) > 1 and all(t.count("{}") == 1 for t in TEMPLATES)
+    with pytest.raises(ValueError):
+        class_vectors(bundle, [], templates)

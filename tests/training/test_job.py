@@ -1,19 +1,23 @@
 """End to end on the embedded stack: Ray Train + DeepSpeed on 2 workers, MLflow on SQLite."""
 
+import json
 import time
 
+import numpy as np
 import pytest
 import torch
+import yaml
 from mlflow import MlflowClient
 
 from clipstream import models
 from clipstream.cli import main
 from clipstream.registry import Registry, RegistryError
 from clipstream.training import evaluate
-from clipstream.training.data.synth import held_out_task
+from clipstream.training.data.synth import HELD_OUT_DIGITS, held_out_task, synthesize
 from clipstream.training.data.task import DataError, Task
-from clipstream.training.job import TrainingFailed, check_placement, run_task
+from clipstream.training.job import TrainingFailed, check_placement, run_task, zero_shot_classification
 from tests.conftest import DETERMINISTIC, FAST
+from tests.training.methods.test_streams import assert_both_policies
 
 
 @pytest.mark.e2e
@@ -59,6 +63,7 @@ def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(two_tasks, 
     resolved = registry.resolve("2")
     assert [e["task"] for e in resolved.lineage] == ["task-00-household", "task-01-furnishing"]
     matrix = evaluate.ResultMatrix.from_dict(resolved.manifest["matrix"]["known"])
+    assert_both_policies(resolved.manifest["matrix"])
     assert matrix.tasks == ["task-00-household", "task-01-furnishing"]
     assert matrix.values[0, 0] == pytest.approx(first.known.values[0, 0])
     bundle = models.load_exported(resolved.folder)
@@ -77,6 +82,25 @@ def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(two_tasks, 
     assert run.data.metrics["zero_shot/Rm"] == pytest.approx(zero_shot["Rm"])
     assert run.data.metrics["zero_shot/drop"] == pytest.approx(zs2["Rm"][0] - zs2["Rm"][1])
     assert run.data.metrics[f"eval/zero_shot/{held_out.name}/i2t_R1"] == pytest.approx(zero_shot["i2t_R@1"])
+    # beside retrieval, classification of its images among its class names (8 classes: top-1 and top-5)
+    labels = [held_out.classes.index(r["label"]) for r in held_out.check("test").rows]
+    accuracy = evaluate.classification_accuracy(evaluate.embed_task(bundle, held_out).img,
+                                                evaluate.class_vectors(bundle, held_out.classes), labels)
+    assert zs1["accuracy"] == first.zero_shot_accuracy == zs2["accuracy"][:1]
+    assert second.zero_shot_accuracy == zs2["accuracy"] and zs2["accuracy"][1] == pytest.approx(accuracy["top1"])
+    assert run.data.metrics["zero_shot/accuracy"] == pytest.approx(accuracy["top1"])
+    assert run.data.metrics["zero_shot/accuracy_drop"] == pytest.approx(zs2["accuracy"][0] - zs2["accuracy"][1])
+    assert run.data.metrics[f"eval/zero_shot/{held_out.name}/top5"] == pytest.approx(accuracy["top5"])
+
+    # every test query's rank, per gallery mode and the held-out tasks (what a bootstrap resamples): R@K is the
+    # share of ranks below K; the run keeps them as ranks.npz
+    assert set(second.ranks) == {"known", "unknown", "zero_shot"} and "ranks.npz" in artifacts
+    for mode, name in (("known", "task-00-household"), ("unknown", "task-01-furnishing"), ("zero_shot", held_out.name)):
+        i2t, t2i = second.ranks[mode][name]
+        assert len(i2t) == len(t2i) == 24  # the session stream's test pairs per task
+        key = f"eval/{mode}/{name}" if mode != "zero_shot" else f"eval/zero_shot/{name}"
+        assert run.data.metrics[f"{key}/i2t_R1"] == pytest.approx(100 * (i2t < 1).mean())
+        assert run.data.metrics[f"{key}/t2i_R10"] == pytest.approx(100 * (t2i < 10).mean())
 
     # the model learned something on its own task: far above chance (R@1 chance ~ 1/24)
     assert second.known.values[1, 1] > 25
@@ -100,6 +124,47 @@ def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(two_tasks, 
         registry.resolve("models:/clipstream@production")
     with pytest.raises(RegistryError, match="not 'other'"):
         registry.resolve("models:/other/1")
+
+
+class _ByClassName:
+    """A stand-in model whose text vector is the one-hot of the class name a prompt holds (classes given), so that a
+    labelled image's right vector is known; records the prompts it was given."""
+
+    def __init__(self, classes):
+        self.classes, self.prompts = classes, []
+
+    def embed_texts(self, texts, batch_size):
+        self.prompts += list(texts)
+        return np.eye(len(self.classes), dtype=np.float32)[[self._class(t) for t in texts]]
+
+    def _class(self, text):
+        return next(k for k, c in enumerate(self.classes) if f" {c}." in f" {text}" or f" {c} " in f" {text} ")
+
+
+def test_zero_shot_classification_prompts_the_task_classes_and_leaves_out_what_has_no_label(tmp_path):
+    out = tmp_path / "d"
+    synthesize(out, tasks=1, train_pairs=40, test_per_task=12, image_size=16, digits=False, progress=False)
+    task = Task.load(out / HELD_OUT_DIGITS)
+    rows = task.check("test").rows
+    bundle = _ByClassName(task.classes)
+    right = np.eye(10, dtype=np.float32)[[task.classes.index(r["label"]) for r in rows]]
+    assert zero_shot_classification(bundle, task, right, 64) == {"top1": 100.0, "top5": 100.0}
+    assert bundle.prompts == [t.replace("{}", c) for c in task.classes for t in task.templates]  # its own templates
+    wrong = 0.5 * right + np.roll(right, 1, axis=1)  # each image nearest the next class, its own second
+    assert zero_shot_classification(bundle, task, wrong, 64) == {"top1": 0.0, "top5": 100.0}
+
+    # rows without a label are left out; a task without classes, or without a labelled row, is not classified
+    unlabelled = [{k: v for k, v in r.items() if k != "label" or i % 2} for i, r in enumerate(rows)]
+    (out / HELD_OUT_DIGITS / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in unlabelled))
+    half = zero_shot_classification(bundle, Task.load(out / HELD_OUT_DIGITS), np.where(
+        (np.arange(len(rows)) % 2)[:, None] == 1, right, wrong), 64)
+    assert half == {"top1": 100.0, "top5": 100.0}
+    (out / HELD_OUT_DIGITS / "test.jsonl").write_text("".join(
+        json.dumps({k: v for k, v in r.items() if k != "label"}) + "\n" for r in rows))
+    assert zero_shot_classification(bundle, Task.load(out / HELD_OUT_DIGITS), right, 64) is None
+    meta = yaml.safe_load((out / "zero-shot-toys" / "task.yaml").read_text())
+    (out / "zero-shot-toys" / "task.yaml").write_text(yaml.safe_dump({k: v for k, v in meta.items() if k != "classes"}))
+    assert zero_shot_classification(bundle, Task.load(out / "zero-shot-toys"), right, 64) is None
 
 
 def test_a_zero_shot_task_the_stream_trains_on_is_refused_before_training(settings, stream):

@@ -31,7 +31,7 @@ def _step(registry, settings, task_dir, parent, seed):
     plan = prepare(registry, task_dir, "ewc", parent, workers=2, overrides=["train.micro_batch=16"])
     with registry.run(plan.run_name, plan.tags) as run_id:
         trained = _trained(plan, seed)
-        result = evaluate_version(plan, trained, settings.home / "plots" / run_id, registry.log(run_id))
+        result = evaluate_version(registry, plan, trained, settings.home / "plots" / run_id, registry.log(run_id))
         return plan, run_id, result, register(registry, plan, trained, result, run_id)
 
 

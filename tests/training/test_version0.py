@@ -65,12 +65,17 @@ def test_version_0_registers_the_checkpoint_with_row_0_and_the_zero_shot_baselin
     zero_shot = evaluate.embed_task(bundle, Task.load(held_out))
     expected = evaluate.retrieval_metrics(zero_shot.img, zero_shot.txt, zero_shot.positive)["Rm"]
     assert manifest["zero_shot"]["Rm"] == pytest.approx([expected]) and done.zero_shot == manifest["zero_shot"]["Rm"]
+    # and the accuracy of classifying its images among its class names, prompted: the baseline of the accuracy drop
+    task = Task.load(held_out)
+    labels = [task.classes.index(r["label"]) for r in task.check("test").rows]
+    accuracy = evaluate.classification_accuracy(zero_shot.img, evaluate.class_vectors(bundle, task.classes), labels)
+    assert manifest["zero_shot"]["accuracy"] == pytest.approx([accuracy["top1"]])
 
     run = registry.client.get_run(version.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["model_version"] == "1"
     metrics = registry.run_metrics(version.run_id)
     assert metrics["known/pretrained_Rm"] == pytest.approx(np.mean(list(manifest["matrix"]["known"]["baseline"]["scores"].values())))
-    assert "known/AA" not in metrics and metrics["zero_shot/drop"] == 0.0
+    assert "known/AA" not in metrics and metrics["zero_shot/drop"] == 0.0 == metrics["zero_shot/accuracy_drop"]
     assert {a.path for a in registry.client.list_artifacts(version.run_id, "plots")} >= {
         "plots/00-pretrained-known.png", "plots/00-pretrained-unknown.png"}
 
@@ -97,13 +102,15 @@ def test_the_first_trained_version_takes_version_0_as_parent_row_0_and_zero_shot
                 p.add_(0.05 * torch.randn_like(p))
             models.export(bundle, trained)
             assert json.loads((trained / models.CONFIG_FILE).read_text()) == state
-        result = evaluate_version(plan, trained, settings.home / "plots" / run_id, registry.log(run_id))
+        result = evaluate_version(registry, plan, trained, settings.home / "plots" / run_id, registry.log(run_id))
         child = register(registry, plan, trained, result, run_id)
 
     version = registry.resolve(child)
     known = evaluate.ResultMatrix.from_dict(version.manifest["matrix"]["known"])
     # R keeps row 0 and adds the first task's row; AA/forgetting/BWT are those of the trained row alone
     assert known.baseline == pytest.approx(v0.known.baseline) and known.tasks == ["task-00-household"]
+    for mode in ("known", "unknown"):  # row 0 and the first trained row: every gallery is its own version's
+        assert version.manifest["matrix"][f"noreindex_{mode}"] == version.manifest["matrix"][mode]
     labels, shown = known.shown()
     assert labels == ["pretrained", "task-00-household"] and shown.shape == (2, 2)
     metrics = registry.run_metrics(version.run_id)
@@ -112,6 +119,9 @@ def test_the_first_trained_version_takes_version_0_as_parent_row_0_and_zero_shot
     history = version.manifest["zero_shot"]["Rm"]
     assert history[0] == pytest.approx(v0.zero_shot[0]) and len(history) == 2
     assert metrics["zero_shot/drop"] == pytest.approx(history[0] - history[1])
+    accuracies = version.manifest["zero_shot"]["accuracy"]
+    assert accuracies[0] == pytest.approx(registry.resolve(v0.version).manifest["zero_shot"]["accuracy"][0])
+    assert len(accuracies) == 2 and metrics["zero_shot/accuracy_drop"] == pytest.approx(accuracies[0] - accuracies[1])
     assert version.tags["task_index"] == "0" and version.manifest["image_tower"] is None
     assert json.loads((version.folder / MANIFEST).read_text())["lineage"][0]["task"] == "task-00-household"
 

@@ -100,9 +100,10 @@ def _methods_at_stages(rank: int, world: int) -> dict:
                 steps.append({"loss": float(loss.detach()), **{k: float(v.detach()) for k, v in terms.items()}})
             method.after_task(ctx, batches)
             engine.empty_partition_cache()
+            measured = method.task_metrics()  # (what the engine logs after the task: EWC's importance seconds)
             folder = _broadcast_string(tempfile.mkdtemp(prefix="zero-parity-") if rank == 0 else None)
             export(engine, method, bundle, Path(folder), rank)
-            found = {"steps": steps}
+            found = {"steps": steps, "task metrics": sorted(k for k, v in measured.items() if v > 0)}
             if rank == 0:
                 state = method.state_dict()[name]
                 tensors = {**load_file(Path(folder) / models.WEIGHTS_FILE),
@@ -141,6 +142,8 @@ def test_every_method_trains_the_same_at_zero_0_2_and_3():
             for term in terms:  # the method's own terms count in what is compared
                 assert max(abs(s[term]) for s in steps[0]) > 1e-6, (name, term)
             assert len({s["loss"] for s in steps[0]}) == 4, name  # it trained
+            assert all(out[name, stage]["task metrics"] == (["importance_seconds"] if name == "ewc" else [])
+                       for stage in (0, 2, 3)), name
             for stage in (2, 3):
                 for key in steps[0][0]:
                     assert [s[key] for s in steps[stage]] == pytest.approx([s[key] for s in steps[0]], rel=RTOL_LOSS,

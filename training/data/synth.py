@@ -9,7 +9,8 @@ words are the same in all tasks. Task sizes follow the P9D shares, and class cou
 (a plateau, then a decay to about 1/10). A last task of real handwritten digits (scikit-learn's
 bundled `load_digits`) adds a shift of image distribution that keeps the colour and background
 words. Beside the stream, a held-out domain with its own style and classes (only a test split) measures
-zero-shot transfer: no version trains on it, yet its attribute words are the ones the stream teaches.
+zero-shot transfer: no version trains on it, yet its attribute words are the ones the stream teaches; and a
+held-out digits set (digit images the stream never sees) measures zero-shot classification of the digit classes.
 
 `synthesize_languages` writes the other kind of stream: the same images captioned in K synthetic
 languages, each a word-for-word remapping of the English caption grammar, so what changes from task to
@@ -67,6 +68,9 @@ DIGIT_TEMPLATES = (
     "a photo of a handwritten {colour} digit {obj} on a {bg} background",
 )
 DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+HELD_OUT_DIGITS = "zero-shot-digits"
+# Its prompts say what its captions say of a class ("a handwritten ... digit seven"), as open_clip's per-dataset templates
+DIGIT_PROMPTS = ("a handwritten digit {}.", "a photo of a handwritten digit {}.", "the digit {}.")
 MIN_TASK_PAIRS = 40
 # The scripts of the synthetic languages: (consonants, vowels, syllables per word at most). They share no
 # character, so two languages share subword pieces if they have one script, and across scripts only their
@@ -233,30 +237,61 @@ def _domain_task(name: str, classes: tuple, index: int, n_train: int, n_test: in
             "test": pairs(test, _distinct(rng, combos, test))}
 
 
+def _digits_split(y: np.ndarray, rng: np.random.Generator, n_train: int, n_test: int) -> tuple[list, list]:
+    """The digits task's (train, test) image indices: a balanced test split, train drawn from the rest."""
+    by_label = [rng.permutation(np.flatnonzero(y == d)) for d in range(10)]
+    test = [int(by_label[j % 10][j // 10]) for j in range(n_test)]
+    train = rng.permutation(np.setdiff1d(np.arange(len(y)), test))[:n_train].tolist()
+    return train, test
+
+
+def _digit_pairs(x: np.ndarray, y: np.ndarray, idx, attrs, style: dict, rng: np.random.Generator, size: int):
+    """(image, caption, class name) of the digit images `idx`, each in its (colour, background) of `attrs`."""
+    w = size * _SS
+    for i, (colour, bg) in zip(idx, attrs):
+        glyph = Image.fromarray((x[i].reshape(8, 8) * 255 / 16).astype(np.uint8)).resize((w, w), Image.BILINEAR)
+        alpha = np.asarray(glyph, dtype=np.float64)[..., None] / 255
+        canvas = _background(bg, style, rng, w) * (1 - alpha) + np.array(COLOURS[colour]) * alpha
+        name = DIGIT_NAMES[y[i]]
+        caption = DIGIT_TEMPLATES[rng.integers(len(DIGIT_TEMPLATES))].format(colour=colour, obj=name, bg=bg)
+        yield _finish(canvas, style, rng), caption, name
+
+
 def _digits_task(index: int, n_train: int, n_test: int, seed: int, size: int):
     from sklearn.datasets import load_digits
 
     x, y = load_digits(return_X_y=True)
     style = _style("digits")
     rng = np.random.default_rng([seed, index])
-    by_label = [rng.permutation(np.flatnonzero(y == d)) for d in range(10)]
-    test = [int(by_label[j % 10][j // 10]) for j in range(n_test)]
-    train = rng.permutation(np.setdiff1d(np.arange(len(y)), test))[:n_train].tolist()
+    train, test = _digits_split(y, rng, n_train, n_test)
     combos = list(product(COLOURS, BACKGROUNDS))
-    w = size * _SS
-
-    def pairs(idx, attrs):
-        for i, (colour, bg) in zip(idx, attrs):
-            glyph = Image.fromarray((x[i].reshape(8, 8) * 255 / 16).astype(np.uint8)).resize((w, w), Image.BILINEAR)
-            alpha = np.asarray(glyph, dtype=np.float64)[..., None] / 255
-            canvas = _background(bg, style, rng, w) * (1 - alpha) + np.array(COLOURS[colour]) * alpha
-            name = DIGIT_NAMES[y[i]]
-            caption = DIGIT_TEMPLATES[rng.integers(len(DIGIT_TEMPLATES))].format(colour=colour, obj=name, bg=bg)
-            yield _finish(canvas, style, rng), caption, name
-
     train_attrs = [_attrs(rng, style["palette"]) for _ in train]
-    return {"train": pairs(train, [(a[0], a[3]) for a in train_attrs]),
-            "test": pairs(test, _distinct(rng, combos, [int(y[i]) for i in test]))}
+    return {"train": _digit_pairs(x, y, train, [(a[0], a[3]) for a in train_attrs], style, rng, size),
+            "test": _digit_pairs(x, y, test, _distinct(rng, combos, [int(y[i]) for i in test]), style, rng, size)}
+
+
+def _held_out_digit_indices(y: np.ndarray, n: int, seed: int, stream: tuple[int, int, int] | None) -> list[int]:
+    """`n` digit images (fewer if fewer are left), classes in turn, that the stream's digits task (`stream` = its
+    (index, n_train, n_test), None if the stream has none) neither trains nor tests on."""
+    used: list = []
+    if stream is not None:  # the stream's own split, drawn again as `_digits_task` draws it
+        train, test = _digits_split(y, np.random.default_rng([seed, stream[0]]), stream[1], stream[2])
+        used = train + test
+    rng = np.random.default_rng([seed, _HELD_OUT_INDEX + 1])
+    left = [rng.permutation(np.setdiff1d(np.flatnonzero(y == d), used)) for d in range(10)]
+    return [int(c[k]) for k in range(max(map(len, left))) for c in left if k < len(c)][:n]
+
+
+def _held_out_digits(n: int, seed: int, size: int, stream: tuple[int, int, int] | None) -> dict:
+    """The held-out digits set (`_held_out_digit_indices`), drawn as the digits task draws its test split."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    idx = _held_out_digit_indices(y, n, seed, stream)
+    rng = np.random.default_rng([seed, _HELD_OUT_INDEX + 2])
+    combos = list(product(COLOURS, BACKGROUNDS))
+    return {"test": _digit_pairs(x, y, idx, _distinct(rng, combos, [int(y[i]) for i in idx]), _style("digits"), rng,
+                                 size)}
 
 
 @dataclass(frozen=True)
@@ -327,8 +362,10 @@ def synthesize(out: str | Path, tasks: int = 4, seed: int = 0, *, image_size: in
 
     The domain tasks share `train_pairs` in the P9D shares; the digits task gets the next share at
     the same scale (capped by the images left after its test split). With held_out=True, the zero-shot
-    task (`test_per_task` test pairs of the HELD_OUT domain) is written too, outside the stream: it is
-    not returned; `held_out_task(out)` finds it.
+    tasks are written too, outside the stream: `test_per_task` test pairs of the HELD_OUT domain, and as many
+    held-out digits (`zero-shot-digits`: images the stream's digits task neither trains nor tests on). They are
+    not returned; `held_out_tasks(out)` finds them. Every row carries its class as `label`, every task.yaml the
+    task's `classes` (zero-shot classification prompts them; the digits' with `templates` of their own).
     """
     out = Path(out)
     if tasks < 1:
@@ -347,7 +384,11 @@ def synthesize(out: str | Path, tasks: int = 4, seed: int = 0, *, image_size: in
     _check_out(out)
     share = P9D_SHARES[tasks % len(P9D_SHARES)] * train_pairs / sum(shares)
     n_digits = min(max(MIN_TASK_PAIRS, round(share)), _DIGITS_TOTAL - test_per_task) if digits else 0
-    total = int(sizes.sum()) + n_digits + (tasks + digits + held_out) * test_per_task
+    n_held_digits = min(test_per_task, _DIGITS_TOTAL - (n_digits + test_per_task) * digits) if held_out else 0
+    if held_out and n_held_digits < 1:
+        raise ValueError(f"test_per_task={test_per_task} leaves no digit image for the held-out digits set; lower "
+                         "test_per_task or pass held_out=False")
+    total = int(sizes.sum()) + n_digits + (tasks + digits + held_out) * test_per_task + n_held_digits
 
     dirs = []
     with console.bar(total=total, desc="synth", unit="pair", disable=not progress) as bar:
@@ -380,6 +421,13 @@ def synthesize(out: str | Path, tasks: int = 4, seed: int = 0, *, image_size: in
                     "splits": {"test": "test.jsonl"}, "classes": list(classes)}
             test = _domain_task(name, classes, _HELD_OUT_INDEX, 0, test_per_task, seed, image_size)["test"]
             _write_task(tdir, meta, {"test": test}, bar)
+            tdir = out / HELD_OUT_DIGITS
+            meta = {"name": tdir.name, "kind": "domain", "held_out": True,
+                    "description": "Zero-shot set, held out: no version trains on it. Handwritten digits (scikit-learn "
+                                   "load_digits) drawn as the digits task draws them, none of its images.",
+                    "splits": {"test": "test.jsonl"}, "classes": list(DIGIT_NAMES), "templates": list(DIGIT_PROMPTS)}
+            _write_task(tdir, meta, _held_out_digits(n_held_digits, seed, image_size,
+                                                     (tasks, n_digits, test_per_task) if digits else None), bar)
     return dirs
 
 
@@ -387,6 +435,11 @@ def held_out_task(out: str | Path) -> Path | None:
     """The zero-shot task `synthesize` wrote under `out`, or None if it wrote none."""
     tdir = Path(out) / f"zero-shot-{HELD_OUT[0]}"
     return tdir if (tdir / "task.yaml").is_file() else None
+
+
+def held_out_tasks(out: str | Path) -> list[Path]:
+    """Every zero-shot task `synthesize` wrote under `out` (the held-out domain, the held-out digits)."""
+    return [t for t in (Path(out) / f"zero-shot-{HELD_OUT[0]}", Path(out) / HELD_OUT_DIGITS) if (t / "task.yaml").is_file()]
 
 
 def synthesize_languages(out: str | Path, languages: int, seed: int = 0, *, image_size: int = 32,

@@ -4,7 +4,8 @@ The directory is a local path or a URI (`s3://`, `gs://`, `file://`, any fsspec 
 training jobs read tasks from object storage, through universal-pathlib here and pyarrow in Ray Data.
 
 Pairs are JSONL or CSV rows `{id, image, caption[, label, lang]}` (image paths relative to the task
-directory) or WebDataset shards (`KEY.png|jpg|jpeg|webp` + `KEY.txt` or `KEY.json` with a caption).
+directory; a `label` is one of the task's `classes` when task.yaml names them) or WebDataset shards
+(`KEY.png|jpg|jpeg|webp` + `KEY.txt` or `KEY.json` with a caption).
 Every problem is reported with the file and row it comes from, so a bad row is fixed in minutes, and
 a training job never meets it halfway through an epoch.
 
@@ -134,7 +135,19 @@ class Task:
         if not isinstance(meta["splits"], dict) or not meta["splits"]:
             raise DataError(f"{manifest}: splits must map split names to files")
         splits = {split: _split(manifest, split, spec) for split, spec in meta["splits"].items()}
+        _check_classes(manifest, meta)
         return cls(str(name), kind, root, splits, meta.get("index"), meta)
+
+    @property
+    def classes(self) -> Optional[list[str]]:
+        """The class names of the task's `label`s (task.yaml `classes`), None when it names none."""
+        classes = self.meta.get("classes")
+        return [str(c) for c in classes] if classes else None
+
+    @property
+    def templates(self) -> Optional[list[str]]:
+        """Its zero-shot prompts (task.yaml `templates`, each with `{}` for the class name), None: the generic ones."""
+        return self.meta.get("templates") or None
 
     def split(self, name: str) -> Split:
         if name not in self.splits:
@@ -161,6 +174,9 @@ class Task:
                 raise DataError(f"{where}: caption must be a string, got {type(row['caption']).__name__} (id {row['id']!r})")
             if not str(row.get("caption") or "").strip():
                 raise DataError(f"{where}: empty caption for id {row['id']!r}")
+            if self.classes and row.get("label") is not None and str(row["label"]) not in self.classes:
+                raise DataError(f"{where}: label {row['label']!r} of id {row['id']!r} is not one of the task's classes "
+                                f"(task.yaml: {', '.join(self.classes)}); add it to `classes` or fix the row")
             try:
                 problem = self._image_problem(row)
             except DataError as exc:  # an image path out of the directory: an error whatever the policy
@@ -221,6 +237,27 @@ class Task:
                 data = source if isinstance(source, bytes) else source.read_bytes() if source.is_file() else b""
                 digest.update(hashlib.sha256(data).digest())
         return digest.hexdigest()
+
+
+def _check_classes(manifest, meta: dict) -> None:
+    """`classes` (the names a row's `label` takes: zero-shot classification prompts them) is a list of distinct
+    names, and `templates` a list of prompts each with one `{}` for the name; DataError naming the key otherwise."""
+    classes = meta.get("classes")
+    if classes is not None:
+        if not isinstance(classes, list) or not classes or any(
+                isinstance(c, bool) or not isinstance(c, (str, int)) or not str(c).strip() for c in classes):
+            raise DataError(f"{manifest}: classes must be a non-empty list of class names, got {classes!r}")
+        repeated = sorted({str(c) for c in classes if [str(x) for x in classes].count(str(c)) > 1})
+        if repeated:
+            raise DataError(f"{manifest}: classes names {', '.join(map(repr, repeated))} more than once")
+    templates = meta.get("templates")
+    if templates is not None:
+        if not isinstance(templates, list) or not templates or any(
+                not isinstance(t, str) or t.count("{}") != 1 for t in templates):
+            raise DataError(f"{manifest}: templates must be a non-empty list of prompts, each with one '{{}}' for "
+                            f"the class name (e.g. 'a photo of a {{}}.'), got {templates!r}")
+        if classes is None:
+            raise DataError(f"{manifest}: templates given without classes to fill them with")
 
 
 def image_source(root: str | Path, image: Optional[str], image_bytes: Optional[bytes] = None) -> bytes | Path:

@@ -36,13 +36,21 @@ def forward_features(model: torch.nn.Module, image: torch.Tensor, text: torch.Te
     gathers a module's parameters in hooks around its calls: the CLIP's own positional embedding, text projection
     and logit scale are read outside any submodule, so only a call of the model gathers them, for the forward and,
     through the tensors of the tuple it returns, again for the backward. Under ZeRO 0-2 it is the same maths."""
-    model.forward = types.MethodType(_towers, model)
-    try:
+    with towers(model):
         image_raw, text_raw, scale = model(image.to(next(model.parameters()).dtype), text)
-    finally:
-        del model.forward
     image_raw, text_raw = image_raw.float(), text_raw.float()
     return Features(F.normalize(image_raw, dim=-1), F.normalize(text_raw, dim=-1), image_raw, text_raw, scale.float())
+
+
+@contextlib.contextmanager
+def towers(model: torch.nn.Module):
+    """`model`'s forward swapped for the towers' for the duration: (raw image features, raw text features,
+    exp(logit_scale))."""
+    model.forward = types.MethodType(_towers, model)
+    try:
+        yield model
+    finally:
+        del model.forward
 
 
 def _towers(model: torch.nn.Module, image: torch.Tensor, text: torch.Tensor) -> tuple:
@@ -97,8 +105,8 @@ class Method:
     Lifecycle per task job: `load_state_dict` (state saved with the parent version; on the driver too)
     → `extra_tasks` and `prepare_version` (driver) → `prepare_model` (before the engine is built) → `before_task`
     → for each step:
-    `loss_terms` → `after_step` → `after_task` (with the task's last `task_end_batches` batches) →
-    `state_dict` (saved with the version); `export_model` gives the plain open_clip model each export holds.
+    `loss_terms` → `after_step` → `after_task` (with the task's last `task_end_batches` batches; then `task_metrics`
+    logged) → `state_dict` (saved with the version); `export_model` gives the plain open_clip model each export holds.
     """
 
     name = "finetune"
@@ -108,6 +116,7 @@ class Method:
     clip_weight = 1.0      # the engine's CLIP loss is scaled by it
     needs_trained_start = False  # True: refuses to start from random weights (teaches a trained CLIP something new)
     teacher_text = False   # batches then carry `text_en`: the English caption (else the caption) in the teacher's tokens
+    starts_from_stream_start = False  # True: every job trains from the stream's start model, not the parent's weights
 
     def __init__(self, params: dict):
         self.params = params
@@ -153,6 +162,10 @@ class Method:
     def after_task(self, ctx: TaskContext, batches: list[dict]) -> None:
         pass
 
+    def task_metrics(self) -> dict[str, float]:
+        """What `after_task` measured about itself, logged as `method/<name>` (EWC's importance seconds)."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -184,6 +197,7 @@ class Stack(Method):
         self.needs_teacher = any(c.needs_teacher for c in components)
         self.teacher_text = any(c.teacher_text for c in components)
         self.needs_trained_start = any(c.needs_trained_start for c in components)
+        self.starts_from_stream_start = any(c.starts_from_stream_start for c in components)
         self.task_end_batches = max([c.task_end_batches for c in components], default=0)
         self.clip_weight = float(math.prod(c.clip_weight for c in components))
         if components:  # an empty stack is fine-tuning: both towers
@@ -234,6 +248,12 @@ class Stack(Method):
     def after_task(self, ctx, batches):
         for c in self.components:
             c.after_task(ctx, batches[-c.task_end_batches:] if c.task_end_batches else [])
+
+    def task_metrics(self):
+        metrics = {}
+        for c in self.components:
+            metrics.update({(k if k not in metrics else f"{c.name}_{k}"): v for k, v in c.task_metrics().items()})
+        return metrics
 
     def state_dict(self):
         return {c.name: c.state_dict() for c in self.components}

@@ -1,10 +1,17 @@
-"""Experience replay (ER): a reservoir sample of every image-text pair seen so far, `buffer_pairs` in
-size, mixed into the next task's training data.
+"""Experience replay (ER): a sample of the image-text pairs seen so far, mixed into the next task's training data.
+Its size is one of:
+
+- `buffer_pairs`: a fixed number over the whole stream, a reservoir sample (Algorithm R): after n pairs each has been
+  kept with probability buffer_pairs / n (CTP's ER: 10k pairs);
+- `buffer_fraction` f: a share of the pairs seen so far (the papers' ~1%: 10k of CTP's ~1M pairs), so the buffer
+  grows as pairs arrive. Each task keeps ⌊f·m⌋ of its m pairs, plus one more with probability f·m − ⌊f·m⌋, drawn
+  uniformly without replacement, and nothing kept is ever dropped: every pair seen has been kept with probability
+  exactly f, and after n pairs over T tasks the buffer holds f·n of them up to T (one per task's rounding). (A
+  reservoir whose capacity grows cannot be uniform: a pair it once dropped would have to come back.)
 
 The buffer holds the pairs themselves (image bytes and caption), not paths, so it survives the raw data
 of old tasks being deleted, and it travels in the method state registered with each version. At the
-end of a task every rank runs the same seeded reservoir update (Algorithm R) over the task's rows, so
-after n pairs each has been kept with probability buffer_pairs / n. The next job writes the buffer out
+end of a task every rank runs the same seeded update over the task's rows. The next job writes the buffer out
 as a task directory that the data pipeline reads like any other.
 """
 
@@ -36,6 +43,14 @@ def reservoir(buffer: list, seen: int, items, size: int, rng: np.random.Generato
     return buffer, seen
 
 
+def fraction_sample(n: int, fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """Sorted indices of the rows of a task of `n` that a `fraction` buffer keeps: ⌊f·n⌋, one more with probability
+    f·n − ⌊f·n⌋, uniformly without replacement; each row is kept with probability exactly f."""
+    share = fraction * n
+    size = int(share) + int(rng.random() < share - int(share))
+    return np.sort(rng.choice(n, size=size, replace=False))
+
+
 class ER(Method):
     name = "er"
 
@@ -62,6 +77,11 @@ class ER(Method):
         task = Task.load(ctx.current["path"])
         rows = task.check("train", "skip").rows
         rng = np.random.default_rng([self.params.get("seed", 0), ctx.task_index])
+        if self.params.get("buffer_fraction") is not None:
+            kept = fraction_sample(len(rows), self.params["buffer_fraction"], rng)
+            self.pairs += [_pair(task, rows[i]) for i in kept]
+            self.seen += len(rows)
+            return
         chosen, self.seen = reservoir([("kept", p) for p in self.pairs], self.seen, (("new", r) for r in rows),
                                       self.params["buffer_pairs"], rng)
         self.pairs = [item if kind == "kept" else _pair(task, item) for kind, item in chosen]

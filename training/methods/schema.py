@@ -71,6 +71,8 @@ class ImportanceParams(Section):  # EWC, MAS (training/methods/importance.py)
     weight: float = Field(ge=0, description="penalty = weight · Σ Ω (θ − θ*)², the pull toward the previous "
                           "task's weights")
     batches: int = Field(8, ge=1, description="last batches of the task that measure the importances")
+    chunk: int = Field(16, ge=1, description="samples whose gradients are taken at once when measuring (memory: "
+                       "chunk × the trainable parameters)")
 
 
 class LwFParams(Section):
@@ -79,8 +81,18 @@ class LwFParams(Section):
 
 
 class ERParams(Section):
-    buffer_pairs: int = Field(ge=0, description="image-text pairs kept over the whole stream, a reservoir sample")
-    seed: int = Field(0, ge=0, description="seed of the reservoir sampling")
+    buffer_pairs: Optional[int] = Field(None, ge=0, description="image-text pairs kept over the whole stream, a "
+                                        "reservoir sample (null: buffer_fraction sizes the buffer)")
+    buffer_fraction: Optional[float] = Field(None, gt=0, le=1, description="share of the pairs seen so far that is "
+                                             "kept, each with this probability (null: buffer_pairs sizes the buffer)")
+    seed: int = Field(0, ge=0, description="seed of the buffer's sampling")
+
+    @model_validator(mode="after")
+    def _one_size(self):
+        if (self.buffer_pairs is None) == (self.buffer_fraction is None):
+            raise ValueError("give exactly one of buffer_pairs and buffer_fraction, the other null (e.g. --set "
+                             "method.er.buffer_fraction=null with --set method.er.buffer_pairs=N)")
+        return self
 
 
 class ModXParams(Section):
@@ -213,6 +225,8 @@ def _problem(error: dict) -> Problem:
         model = _section(info.annotation)
     if error["type"] == "missing":
         return Problem(tuple(path), f"missing, expected {_describe(info)}", missing=True)
+    if error["type"] == "value_error":  # a section's own check across its keys (ERParams: one buffer size)
+        return Problem(tuple(path), str(error["ctx"]["error"]))
     return Problem(tuple(path), f"expected {_describe(info)}")
 
 

@@ -12,12 +12,18 @@ from PIL import Image
 
 from clipstream.training.data.synth import (
     COLOURS,
+    DIGIT_NAMES,
+    DIGIT_PROMPTS,
     DOMAINS,
     HELD_OUT,
+    HELD_OUT_DIGITS,
     P9D_SHARES,
     POSITIONS,
     TEMPLATES,
+    _digits_split,
+    _held_out_digit_indices,
     held_out_task,
+    held_out_tasks,
     synthesize,
     synthesize_languages,
 )
@@ -203,7 +209,7 @@ def test_progress_bar_counts_pairs(tmp_path, capsys):
     synthesize(tmp_path / "quiet", digits=False, **SMALL)
     assert capsys.readouterr().err == ""
     synthesize(tmp_path / "loud", digits=False, **{**SMALL, "progress": True})
-    assert "248/248" in capsys.readouterr().err  # 200 train + 2 x 16 test + 16 held-out test
+    assert "264/264" in capsys.readouterr().err  # 200 train + 2 x 16 test + 16 held-out test + 16 held-out digits
     synthesize_languages(tmp_path / "langs", 2, **LANG_SMALL)
     assert capsys.readouterr().err == ""
     synthesize_languages(tmp_path / "langs-loud", 2, **{**LANG_SMALL, "progress": True})
@@ -216,7 +222,8 @@ def test_held_out_task_is_a_test_only_domain_outside_the_stream(bench):
     out = bench[0].parent
     tdir = held_out_task(out)
     assert tdir == out / f"zero-shot-{HELD_OUT[0]}" and tdir not in bench
-    assert sorted(p.name for p in out.iterdir()) == sorted([*(p.name for p in bench), tdir.name])
+    assert sorted(p.name for p in out.iterdir()) == sorted([*(p.name for p in bench), tdir.name, HELD_OUT_DIGITS])
+    assert held_out_tasks(out) == [tdir, out / HELD_OUT_DIGITS]
     meta = _meta(tdir)
     assert meta["kind"] == "domain" and meta["held_out"] is True and "index" not in meta
     assert "zero-shot" in meta["description"].lower() and "no version trains on it" in meta["description"]
@@ -256,7 +263,7 @@ def test_held_out_classes_stay_disjoint_when_the_stream_wraps_the_domains(tmp_pa
 
 def test_held_out_false_writes_none(tmp_path):
     dirs = synthesize(tmp_path / "out", held_out=False, **SMALL)
-    assert held_out_task(tmp_path / "out") is None
+    assert held_out_task(tmp_path / "out") is None and held_out_tasks(tmp_path / "out") == []
     assert sorted((tmp_path / "out").iterdir()) == dirs
 
 
@@ -398,3 +405,31 @@ def test_bad_language_arguments_raise(tmp_path, kwargs, match):
     (tmp_path / "full" / "keep.txt").write_text("precious")
     with pytest.raises(ValueError, match="non-empty"):
         synthesize_languages(tmp_path / "full", 2, **LANG_SMALL)
+
+
+def test_held_out_digits_are_labelled_balanced_and_none_of_the_streams_digit_images(bench):
+    out = bench[0].parent
+    tdir = out / HELD_OUT_DIGITS
+    task = Task.load(tdir)
+    assert task.meta["held_out"] is True and task.classes == list(DIGIT_NAMES) and task.templates == list(DIGIT_PROMPTS)
+    rows = task.check("test").rows  # every label is one of its classes
+    assert len(rows) == 64 and Counter(r["label"] for r in rows) == Counter({d: 7 if d in DIGIT_NAMES[:4] else 6
+                                                                          for d in DIGIT_NAMES})
+    assert all(f"digit {r['label']} " in r["caption"] for r in rows)
+    stream_digits = bench[-1]  # the stream's digits task: labelled, with the same class names
+    assert _meta(stream_digits)["classes"] == list(DIGIT_NAMES)
+    assert {r["label"] for split in ("train", "test") for r in _rows(stream_digits, split)} == set(DIGIT_NAMES)
+
+    from sklearn.datasets import load_digits
+
+    y = load_digits().target
+    index, n_train = len(bench) - 1, len(_rows(stream_digits, "train"))
+    train, test = _digits_split(y, np.random.default_rng([0, index]), n_train, 64)  # the stream's own split, seed 0
+    assert [DIGIT_NAMES[y[i]] for i in test] == [r["label"] for r in _rows(stream_digits, "test")]
+    held = _held_out_digit_indices(y, 64, 0, (index, n_train, 64))
+    assert [DIGIT_NAMES[y[i]] for i in held] == [r["label"] for r in rows]  # the images the held-out set drew
+    assert len(set(held)) == 64 and not set(held) & (set(train) | set(test))
+    # a stream that takes nearly every digit image: the held-out set still never shares one, it only shrinks
+    big = _held_out_digit_indices(y, 500, 0, (index, 1200, 500))
+    train, test = _digits_split(y, np.random.default_rng([0, index]), 1200, 500)
+    assert len(big) == len(y) - 1700 and not set(big) & (set(train) | set(test))

@@ -737,3 +737,44 @@ def test_a_symlink_loop_is_an_error_not_a_crash(tmp_path):
     (root / "images/train/1.png").symlink_to("1.png")
     raises([f"{root / 'train.jsonl'}:2: image path 'images/train/1.png' cannot be resolved"],
            Task.load(root).check, "train", on_bad_image="skip")
+
+
+# ---- classes and labels (zero-shot classification prompts the class names)
+
+def test_classes_and_templates_are_read_and_a_task_without_them_has_none(tmp_path):
+    task = Task.load(make_task(tmp_path / "a", meta={"classes": ["class0", "class1"], "templates": ["a {}."]}))
+    assert task.classes == ["class0", "class1"] and task.templates == ["a {}."]
+    assert len(task.check("test").rows) == 2  # every label is one of the classes
+    plain = Task.load(make_task(tmp_path / "b"))
+    assert plain.classes is None and plain.templates is None
+    assert len(plain.check("test").rows) == 2  # no classes: labels are not checked
+    numbered = Task.load(make_task(tmp_path / "c", rows={"test": [{**r, "label": k} for k, r in enumerate(
+        default_rows(2, "test"))]}, meta={"classes": [0, 1]}))
+    assert numbered.classes == ["0", "1"] and len(numbered.check("test").rows) == 2  # names compared as text
+
+
+def test_a_label_not_in_the_classes_is_one_error_naming_file_row_and_id(tmp_path):
+    rows = default_rows(3, "test")
+    rows[2]["label"] = "clas1"
+    root = make_task(tmp_path / "t", rows={"test": rows}, meta={"classes": ["class0", "class1"]})
+    with pytest.raises(DataError) as err:
+        Task.load(root).check("test")
+    message = str(err.value)
+    assert message.startswith(f"{root / 'test.jsonl'}:3: label 'clas1' of id 'test-2' is not one of the task's classes")
+    assert "class0, class1" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("meta, problem", [
+    ({"classes": "class0"}, "classes must be a non-empty list"),
+    ({"classes": []}, "classes must be a non-empty list"),
+    ({"classes": ["a", ""]}, "classes must be a non-empty list"),
+    ({"classes": ["a", True]}, "classes must be a non-empty list"),
+    ({"classes": ["a", "b", "a"]}, "classes names 'a' more than once"),
+    ({"classes": ["a"], "templates": ["a photo"]}, "templates must be a non-empty list of prompts"),
+    ({"classes": ["a"], "templates": ["{} and {}"]}, "templates must be a non-empty list of prompts"),
+    ({"templates": ["a {}."]}, "templates given without classes"),
+])
+def test_bad_classes_or_templates_are_refused_at_load(tmp_path, meta, problem):
+    root = make_task(tmp_path / "t", meta=meta)
+    with pytest.raises(DataError, match=re.escape(f"{root / 'task.yaml'}: {problem}")):
+        Task.load(root)

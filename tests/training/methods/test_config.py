@@ -95,7 +95,8 @@ def test_mod_x_on_vit_b_32_starts_from_openai_weights_at_its_papers_rate():
 def test_component_overrides_and_unknown_components():
     from clipstream.training.methods import build
 
-    config = resolve("ctp_er", ["method.ctp.momentum=0.5", "method.er.buffer_pairs=7"])
+    config = resolve("ctp_er", ["method.ctp.momentum=0.5", "method.er.buffer_pairs=7",
+                                "method.er.buffer_fraction=null"])
     stack = build(config)
     assert stack.components[0].params["momentum"] == 0.5 and stack.components[1].params["buffer_pairs"] == 7
     with pytest.raises(ValueError, match="has no key 'method.ctp.nope'"):

@@ -228,6 +228,7 @@ def test_importances_are_nonnegative_and_merge_as_the_papers_say(pair):
     for name in ("ewc", "mas"):
         model = copy.deepcopy(student)
         method = build(resolve(name)).components[0]
+        method.prepare_model(model)  # (as the engine does: the copy the importances are measured on)
         ctx = _ctx(model, teacher, 0)
         assert method.loss_terms(ctx, batch, forward_features(model, batch["image"], batch["text"])) == {}
         method.after_task(ctx, [batch])
@@ -240,6 +241,7 @@ def test_importances_are_nonnegative_and_merge_as_the_papers_say(pair):
             assert all((second[k] >= first[k]).all() for k in first)
         else:  # running mean over tasks: between the two tasks' Fishers
             solo = build(resolve(name)).components[0]
+            solo.prepare_model(model)
             solo.after_task(ctx, [half])
             for k in first:
                 assert torch.allclose(second[k], (first[k] + solo.importance[k]) / 2, atol=1e-7)
@@ -257,7 +259,7 @@ def test_importances_are_nonnegative_and_merge_as_the_papers_say(pair):
 def test_the_penalty_and_its_closed_form_gradient_equal_the_quadratic_through_autograd(pair, name, upstream):
     student, teacher, batch = pair
     method = build(resolve(name)).components[0]
-    model = copy.deepcopy(student)
+    model = method.prepare_model(copy.deepcopy(student))
     method.after_task(_ctx(model, teacher, 0), [batch])
     ctx = _ctx(model, teacher)
     method.before_task(ctx)

@@ -3,6 +3,7 @@ DeepSpeed on 2 workers, and its state, registered with each version, carries int
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from mlflow import MlflowClient
@@ -25,6 +26,20 @@ from clipstream.training.methods.state import load_state
 STREAMS = [("mas_lwf", 1), ("ewc_modx_ctp_er", 2), ("cclip", 2)]  # (+ the language stream below)
 
 
+def assert_both_policies(matrices: dict) -> None:
+    """A version's manifest holds the R matrices of both index policies over the same tasks. Task-known, the
+    diagonal is the same under both (task i's gallery as version i embeds it), and so is the first trained row;
+    later rows of no-reindex rank today's queries against older versions' vectors."""
+    from clipstream.training.evaluate import ResultMatrix
+
+    m = {name: ResultMatrix.from_dict(d) for name, d in matrices.items()}
+    assert set(m) == {"known", "unknown", "noreindex_known", "noreindex_unknown"}
+    for mode in ("known", "unknown"):
+        assert m[f"noreindex_{mode}"].tasks == m[mode].tasks
+        assert m[f"noreindex_{mode}"].values[0, 0] == m[mode].values[0, 0]
+    assert np.diag(m["noreindex_known"].values).tolist() == np.diag(m["known"].values).tolist()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method, stage", [pytest.param(m, s, marks=pytest.mark.stream(m, s)) for m, s in STREAMS])
 def test_a_three_task_stream_carries_the_method_state(trained_stream, method, stage):
@@ -41,6 +56,7 @@ def test_a_three_task_stream_carries_the_method_state(trained_stream, method, st
         return [max([m.value for m in client.get_metric_history(v.run_id, key)], default=None) for v in versions]
     rows = [len(Task.load(d).check("train").rows) for d in three_tasks]
     assert registry.resolve("3").manifest["matrix"]["known"]["tasks"] == [d.name for d in three_tasks]
+    assert_both_policies(registry.resolve("3").manifest["matrix"])
     assert all("sd/image_rotation_mean" in m for m in metrics[1:])  # Mod-X's diagnostics, from task 2 on
     if method == "ewc_modx_ctp_er":  # EWC, Mod-X and CTP train both towers: its own image vectors are indexed
         assert registry.resolve("3").manifest["unchanged_towers"] == [] and registry.resolve("3").image_tower == "3"
@@ -138,3 +154,9 @@ def test_a_language_stream_grows_the_vocabulary_and_trains_only_the_rows_of_its_
     assert [v.image_tower for v in versions] == ["1", "1", "1"]
     client = MlflowClient(settings.mlflow_tracking_uri)
     assert all(max(m.value for m in client.get_metric_history(v.run_id, "loss/cross_lingual")) > 0 for v in versions[1:])
+    # task-unknown: the other languages' copies of a query's image are its positives, so text->image ranks as in the
+    # task's own gallery (the deduplicated union), where they used to tie with it as negatives (R@1 was always 0)
+    logged = client.get_run(versions[2].run_id).data.metrics
+    for name in (d.name for d in languages):
+        assert logged[f"eval/unknown/{name}/t2i_R1"] == pytest.approx(logged[f"eval/known/{name}/t2i_R1"])
+    assert_both_policies(registry.resolve("3").manifest["matrix"])

@@ -1,0 +1,153 @@
+"""`benchmarks/cells.py`: --seeds and --vary, and the cache of cells: a rerun trains nothing it finished, a new row
+trains only its own tasks from the seed's shared start, --fresh trains again (the task jobs counted through the
+`train_task` seam, with ranks made up: no Ray)."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from clipstream.benchmarks import cells
+from clipstream.benchmarks.cells import Variant
+
+
+@pytest.mark.parametrize("text, seeds", [("0,1,2", [0, 1, 2]), ("7", [7]), (" 3 , 1 ", [3, 1])])
+def test_seeds_parse(text, seeds):
+    assert cells.parse_seeds(text) == seeds
+
+
+@pytest.mark.parametrize("text, message", [("", "give at least one seed"), (" , ", "give at least one seed"),
+                                           ("0,0,1", "seed(s) 0 given more than once"), ("0,x", "comma-separated"),
+                                           ("0,,1", "comma-separated"), ("-1", "integers >= 0")])
+def test_bad_seeds_are_refused(text, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cells.parse_seeds(text)
+
+
+def test_vary_expands_a_grid_over_the_methods_that_have_the_key():
+    vary = cells.parse_vary(["weight=100,1000", "batches=4"])
+    variants = cells.expand({n: (n, []) for n in ("finetune", "ewc", "lwf", "er")}, vary, "finetune")
+    labels = [v.label for v in variants]
+    assert labels == ["finetune", "ewc weight=100 batches=4", "ewc weight=1000 batches=4", "lwf weight=100",
+                      "lwf weight=1000", "er"]  # finetune is never varied; er has neither key
+    assert variants[2] == Variant("ewc weight=1000 batches=4", "ewc",
+                                  ("method.ewc.weight=1000", "method.ewc.batches=4"))
+    dotted = cells.expand({"finetune": ("finetune", []), "ctp": ("ctp", [])},
+                          cells.parse_vary(["method.ctp.momentum=0.9,0.99"]), "finetune")
+    assert [v.label for v in dotted] == ["finetune", "ctp method.ctp.momentum=0.9", "ctp method.ctp.momentum=0.99"]
+    # a stream's own overrides come first (the language streams')
+    own = cells.expand({"embeddings": ("cllclip", ["method.cllclip.cross_lingual_weight=0.0"])},
+                       cells.parse_vary(["train.lr=0.01"]), "teir")
+    assert own == [Variant("embeddings train.lr=0.01", "cllclip",
+                           ("method.cllclip.cross_lingual_weight=0.0", "train.lr=0.01"))]
+
+
+@pytest.mark.parametrize("vary, message", [
+    (["nope=1,2"], "--vary nope: none of ewc has that key"),
+    (["method.ewc.nope=1"], "--vary method.ewc.nope: none of ewc"),
+    (["weight"], "must look like KEY=V1,V2"),
+    (["weight="], "must look like KEY=V1,V2"),
+    (["weight=1,,2"], "must look like KEY=V1,V2"),
+    (["weight=1,1"], "a value given more than once"),
+    (["weight=1", "weight=2"], "given more than once; put every value in one"),
+    (["weight=heavy"], "method.ewc.weight"),  # the schema's own message, naming the override
+])
+def test_bad_vary_is_refused_before_anything_trains(vary, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cells.expand({"finetune": ("finetune", []), "ewc": ("ewc", [])}, cells.parse_vary(vary), "finetune")
+
+
+class FakeJobs:
+    """`cells.train_task` without Ray: each call is one task job, its ranks made up from the call number."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, settings, folder, preset, parent, workers, sets, zero_shot=()):
+        self.calls.append((folder.name, preset, parent, tuple(sets)))
+        n = len(self.calls)
+        rng = np.random.default_rng(n)
+        seen = [d.name for d in DIRS[: DIRS.index(folder) + 1]]
+        ranks = {mode: {t: (rng.integers(0, 9, 6), rng.integers(0, 9, 6)) for t in seen}
+                 for mode in ("known", "unknown")}
+        return {"task": folder.name, "version": str(n), "ranks": {**ranks, "zero_shot": {}}, "seconds": 1.0,
+                "step_ms": 10.0 * n, "zero_shot": [], "sd": {}}
+
+
+DIRS = []
+
+
+@pytest.fixture
+def jobs(tmp_path, monkeypatch):
+    DIRS[:] = [tmp_path / "data" / f"task-0{i}" for i in range(3)]
+    fake = FakeJobs()
+    monkeypatch.setattr(cells, "train_task", fake)
+    monkeypatch.setattr(cells, "registered", lambda settings, version: True)
+    return fake
+
+
+def run(settings, cache, variants, start=("finetune", ())):
+    return cells.run_seed(settings, "methods", 0, DIRS, variants, lambda v: start, 1, ["train.seed=0"], cache,
+                          {"bench": "methods", "tasks": 2})
+
+
+def test_a_rerun_reads_finished_cells_and_a_new_row_trains_only_its_own_tasks(jobs, settings, tmp_path, capsys):
+    cache = cells.Cache(tmp_path / "cache")
+    rows = [Variant("finetune", "finetune"), Variant("lwf", "lwf")]
+    first = run(settings, cache, rows)
+    # the first task once (the shared start), then two tasks per row, each from its own previous version
+    assert [c[:3] for c in jobs.calls] == [("task-00", "finetune", None), ("task-01", "finetune", "1"),
+                                           ("task-02", "finetune", "2"), ("task-01", "lwf", "1"),
+                                           ("task-02", "lwf", "4")]
+    assert first["lwf"]["versions"] == ["1", "4", "5"] and first["lwf"]["trained_by"] == ["finetune", "lwf", "lwf"]
+    assert first["lwf"]["step_ms"] == [10.0, 40.0, 50.0] and first["lwf"]["tasks"] == ["task-00", "task-01", "task-02"]
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 3  # the start and two cells
+    capsys.readouterr()
+
+    again = run(settings, cells.Cache(tmp_path / "cache"), rows)
+    assert len(jobs.calls) == 5 and capsys.readouterr().out.count("finished before, read from") == 2
+    for label in ("finetune", "lwf"):
+        assert again[label]["versions"] == first[label]["versions"] and again[label]["code"]
+        for row_a, row_b in zip(again[label]["rows"], first[label]["rows"]):
+            for mode in ("known", "unknown"):
+                for task, (i2t, t2i) in row_b[mode].items():
+                    np.testing.assert_array_equal(row_a[mode][task][0], i2t)
+                    np.testing.assert_array_equal(row_a[mode][task][1], t2i)
+
+    ewc = Variant("ewc weight=1", "ewc", ("method.ewc.weight=1",))
+    more = run(settings, cells.Cache(tmp_path / "cache"), [*rows, ewc])
+    assert jobs.calls[5:] == [("task-01", "ewc", "1", ("train.seed=0", "method.ewc.weight=1")),
+                              ("task-02", "ewc", "6", ("train.seed=0", "method.ewc.weight=1"))]
+    assert more["ewc weight=1"]["rows"][0]["known"]["task-00"][0].tolist() == \
+        first["lwf"]["rows"][0]["known"]["task-00"][0].tolist()  # the shared start's ranks
+
+    run(settings, cells.Cache(tmp_path / "cache", fresh=True), rows)
+    assert len(jobs.calls) == 7 + 5  # --fresh: the start and both rows again
+
+
+def test_a_cell_stopped_part_way_is_not_kept(jobs, settings, tmp_path, monkeypatch):
+    def stop(*args, **kwargs):
+        if len(jobs.calls) == 2:  # Ctrl-C in the row's second task
+            raise KeyboardInterrupt
+        return jobs(*args, **kwargs)
+
+    monkeypatch.setattr(cells, "train_task", stop)
+    with pytest.raises(KeyboardInterrupt):
+        run(settings, cells.Cache(tmp_path / "cache"), [Variant("lwf", "lwf")])
+    records = [json.loads(p.read_text()) for p in (tmp_path / "cache").glob("*.json")]
+    assert [r["label"] for r in records] == ["start finetune"]  # the start is kept; the row is not
+    assert not list((tmp_path / "cache").glob(".*.tmp"))
+
+
+def test_seed_data_is_made_once(tmp_path):
+    made = []
+
+    def make(root):
+        made.append(root)
+        root.mkdir(parents=True)
+        (root / "task-00").mkdir()
+        return [root / "task-00"]
+
+    assert cells.seed_data(tmp_path / "s0", make) == [tmp_path / "s0" / "task-00"]
+    assert cells.seed_data(tmp_path / "s0", make) == [tmp_path / "s0" / "task-00"] and len(made) == 1
