@@ -39,7 +39,7 @@ def train_fake(registry, settings, plan, seed: int) -> str:
         torch.manual_seed(seed)
         trained = models.export(models.create(ARCH), plan.workdir / "checkpoint")
         save_state(plan.method.state_dict(), trained / METHOD_STATE_FILE)
-        result = evaluate_version(plan, trained, settings.home / "plots" / run_id, registry.log(run_id))
+        result = evaluate_version(registry, plan, trained, settings.home / "plots" / run_id, registry.log(run_id))
         return register(registry, plan, trained, result, run_id)
 
 
