@@ -383,8 +383,12 @@ def synthesize(out: str | Path, tasks: int = 4, seed: int = 0, *, image_size: in
                          f"task sizes {sizes.tolist()}, need >= {MIN_TASK_PAIRS} pairs per task")
     _check_out(out)
     share = P9D_SHARES[tasks % len(P9D_SHARES)] * train_pairs / sum(shares)
-    n_digits = min(max(MIN_TASK_PAIRS, round(share)), _DIGITS_TOTAL - test_per_task) if digits else 0
-    n_held_digits = min(test_per_task, _DIGITS_TOTAL - (n_digits + test_per_task) * digits) if held_out else 0
+    # the held-out digits are set aside before the stream's digits task takes its share (a large share, e.g. of one
+    # domain task's stream, would otherwise take every image the test split leaves)
+    n_held_digits = (min(test_per_task, _DIGITS_TOTAL - test_per_task * digits - MIN_TASK_PAIRS * digits)
+                     if held_out else 0)
+    n_digits = (min(max(MIN_TASK_PAIRS, round(share)), _DIGITS_TOTAL - test_per_task - n_held_digits)
+                if digits else 0)
     if held_out and n_held_digits < 1:
         raise ValueError(f"test_per_task={test_per_task} leaves no digit image for the held-out digits set; lower "
                          "test_per_task or pass held_out=False")
