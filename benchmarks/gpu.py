@@ -37,11 +37,13 @@ from __future__ import annotations
 import argparse
 import functools
 import io
+import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -157,9 +159,70 @@ def _on(data: list[dict], device, dtype) -> list[dict]:
     return [{k: v.to(device=device, dtype=dtype) if k == "image" else v.to(device) for k, v in b.items()} for b in data]
 
 
-def measure_training(arch: str, batch: int, steps: int, warmup: int, device, precision: str = "bf16") -> dict:
+def device_profile(setups: dict, steps: int, top: int = 12) -> dict[str, dict]:
+    """Where each setup's step (a synced step and its batches) spends its time, over `steps` steps under torch's
+    profiler (CPU and the GPU's kernels): ms per step of the wall clock, of the device's own work (the kernels' self
+    time, summed: wall ≫ device means the host, not the GPU, sets the pace), of each `train_step` phase (CPU time,
+    method_step.PHASES), and the `top` ops by self device time (else self CPU time, without a GPU)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from clipstream.benchmarks import method_step
+
+    def device_us(event) -> float:  # a kernel's own time; record_function ranges also show on the device's timeline
+        annotation = event.key in method_step.PHASES or event.key.startswith("Optimizer.") or \
+            getattr(event, "is_user_annotation", False)
+        return 0 if annotation else getattr(event, "self_device_time_total", 0) or 0
+
+    out = {}
+    for name, (step, data) in setups.items():
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            wall = method_step.timed(step, data, steps)
+        events = prof.key_averages()
+        ranked = sorted(events, key=lambda e: (device_us(e), e.self_cpu_time_total), reverse=True)[:top]
+        out[name] = {"wall_ms": wall, "device_ms": sum(device_us(e) for e in events) / 1000 / steps,
+                     "phases": phase_ms(prof.events(), steps),
+                     "top": [{"op": e.key, "device_ms": device_us(e) / 1000 / steps,
+                              "cpu_ms": e.self_cpu_time_total / 1000 / steps, "calls": e.count / steps}
+                             for e in ranked]}
+    return out
+
+
+def phase_ms(events, steps: int) -> dict[str, float]:
+    """ms per step of each `train_step` phase on the host (its record_function ranges, not their device copies)."""
+    from clipstream.benchmarks import method_step
+
+    totals: dict[str, float] = {}
+    for e in events:
+        if e.name in method_step.PHASES and str(getattr(e, "device_type", "CPU")).endswith("CPU"):
+            totals[e.name] = totals.get(e.name, 0.0) + e.cpu_time_total / 1000 / steps
+    return totals
+
+
+def profile_lines(profiled: dict[str, dict]) -> list[str]:
+    """The report's section for `device_profile`'s result."""
+    from clipstream.benchmarks import method_step
+
+    names = list(profiled)
+    lines = ["### Where the step's time goes (torch profiler, ms per step)", "",
+             *report.table(["", *names], [["wall clock", *(f"{profiled[n]['wall_ms']:.1f}" for n in names)],
+                                          ["device busy (kernels' self time)", *(f"{profiled[n]['device_ms']:.1f}"
+                                                                                 for n in names)],
+                                          *[[f"phase {p} (CPU)", *(f"{profiled[n]['phases'].get(p, 0):.1f}" for n in names)]
+                                            for p in method_step.PHASES if any(p in profiled[n]["phases"] for n in names)]])]
+    for name in names:
+        lines += ["", f"Top ops of `{name}` by self device time:", "",
+                  *report.table(["op", "device ms", "self CPU ms", "calls"],
+                                [[t["op"][:70], f"{t['device_ms']:.2f}", f"{t['cpu_ms']:.2f}", f"{t['calls']:g}"]
+                                 for t in profiled[name]["top"]])]
+    return lines
+
+
+def measure_training(arch: str, batch: int, steps: int, warmup: int, device, precision: str = "bf16",
+                     profile_steps: int = 0) -> dict:
     """(a): the engine's step against the plain autocast loop on the same model and batches, taking turns step by
-    step; the model's FLOPs per sample (counted on a separate copy, so the engine's hooks see only its own steps)."""
+    step; the model's FLOPs per sample (counted on a separate copy, so the engine's hooks see only its own steps);
+    with `profile_steps`, where each step's time goes (`device_profile`)."""
     import torch
 
     from clipstream import models
@@ -183,6 +246,7 @@ def measure_training(arch: str, batch: int, steps: int, warmup: int, device, pre
     for step, batches in setups.values():
         method_step.timed(step, batches, warmup)
     times = method_step.interleaved(setups, steps)
+    profiled = device_profile(setups, profile_steps) if profile_steps else None
     step_ms = statistics.median(times["engine"])
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     out = {"samples_per_s": 1000 * batch / step_ms, "step_ms": step_ms, "flops_per_sample": total / batch,
@@ -190,7 +254,8 @@ def measure_training(arch: str, batch: int, steps: int, warmup: int, device, pre
            "vs_plain": 1 / method_step.paired_ratio(times["engine"], times["plain"]),
            "forward_flops_per_sample": forward / batch, "peak_gib": peak_gib,
            "params": sum(p.numel() for p in engine.module.parameters()), "dtype": str(module_dtype).replace("torch.", ""),
-           "zero_stage": engine.zero_optimization_stage()}
+           "zero_stage": engine.zero_optimization_stage(), "optimizer": type(engine.optimizer).__name__,
+           "profile": profiled}
     del engine, method, ctx, plain, setups
     _free(device)
     return out
@@ -300,17 +365,20 @@ def plain_encoder(arch: str, device, dtype):
     return images, texts
 
 
-def _rate(items: int, fn: Callable[[], object], device, rounds: int) -> float:
-    """items/s of `fn()`, the best of `rounds` (after one warm-up call)."""
-    fn()
-    _sync(device)
-    best = float("inf")
-    for _ in range(rounds):
-        tic = time.perf_counter()
+def _rates(runs: dict[str, tuple[int, Callable[[], object]]], device, rounds: int) -> dict[str, float]:
+    """items/s of each `runs` entry (items, fn), the best of `rounds` taking turns round by round (after one warm-up
+    call each): one side measured after the other drifted with the host's state by ±15% on the GPU machine."""
+    for _, fn in runs.values():
         fn()
         _sync(device)
-        best = min(best, time.perf_counter() - tic)
-    return items / max(best, 1e-9)
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for name, (_, fn) in runs.items():
+            tic = time.perf_counter()
+            fn()
+            _sync(device)
+            best[name] = min(best[name], time.perf_counter() - tic)
+    return {name: items / max(best[name], 1e-9) for name, (items, _) in runs.items()}
 
 
 def measure_encoder(arch: str, batch: int, n_images: int, n_texts: int, device, rounds: int) -> dict:
@@ -337,10 +405,10 @@ def measure_encoder(arch: str, batch: int, n_images: int, n_texts: int, device, 
             encode(items[s:s + batch])
 
     out = {"dtype": str(path.dtype).replace("torch.", ""),
-           "images_s": _rate(n_images, lambda: served(pictures, "image"), device, rounds),
-           "plain_images_s": _rate(n_images, lambda: plain(pictures, plain_images), device, rounds),
-           "texts_s": _rate(n_texts, lambda: served(captions, "text"), device, rounds),
-           "plain_texts_s": _rate(n_texts, lambda: plain(captions, plain_texts), device, rounds)}
+           **_rates({"images_s": (n_images, lambda: served(pictures, "image")),
+                     "plain_images_s": (n_images, lambda: plain(pictures, plain_images))}, device, rounds),
+           **_rates({"texts_s": (n_texts, lambda: served(captions, "text")),
+                     "plain_texts_s": (n_texts, lambda: plain(captions, plain_texts))}, device, rounds)}
     _free(device)
     return out
 
@@ -368,9 +436,11 @@ def measure_embed(arch: str, pairs: int, batch: int, device, rounds: int, workdi
         for s in range(0, len(rows), batch):
             plain_texts(captions[s:s + batch])
 
-    out = {"pairs": len(rows), "pairs_s": _rate(len(rows), lambda: evaluate.embed_tasks(bundle, [task], batch_size=batch),
-                                                device, rounds),
-           "plain_pairs_s": _rate(len(rows), plain, device, rounds)}
+    def ours() -> None:
+        evaluate.embed_tasks(bundle, [task], batch_size=batch)
+
+    out = {"pairs": len(rows), **_rates({"pairs_s": (len(rows), ours), "plain_pairs_s": (len(rows), plain)}, device,
+                                        rounds)}
     _free(device)
     return out
 
@@ -416,7 +486,7 @@ def gpu_report(out: Path, command: str, device: str, versions: str, arch: str, b
              f"Device: {device}." + (f" Peak dense bf16: {peak:g} TFLOP/s." if peak else ""), "", f"Versions: {versions}.", "",
              f"## (a) Training step, {arch} ({train['params'] / 1e6:.1f} M parameters), batch {batch}, bf16", "",
              "clipstream's step (`train_step` on a DeepSpeed engine from `deepspeed_config`, finetune preset, "
-             f"ZeRO {train['zero_stage']}, {train['dtype']} module) against a plain PyTorch loop (open_clip's ClipLoss, "
+             f"ZeRO {train['zero_stage']}, DeepSpeed's {train.get('optimizer', '-')}, {train['dtype']} module) against a plain PyTorch loop (open_clip's ClipLoss, "
              "torch's AdamW, forward under torch.autocast bf16) on the same model and random batches already on the "
              "device, taking turns step by step; median step. FLOPs per sample by torch's FlopCounterMode (forward + "
              "backward of both towers and the loss); MFU = samples/s × FLOPs per sample ÷ the peak.", "",
@@ -427,6 +497,7 @@ def gpu_report(out: Path, command: str, device: str, versions: str, arch: str, b
                             ["plain PyTorch (autocast)", train["plain_samples_per_s"], 1000 * batch / train["plain_samples_per_s"],
                              "", "", "", "", ""]]),
              "", f"Engine ÷ plain (median over cycles of the paired step ratio): {train['vs_plain']:.2f}×.", "",
+             *(profile_lines(train["profile"]) + [""] if train.get("profile") else []),
              f"## (b) ZeRO 2 against ZeRO 3 on one GPU ({arch}, batch {batch}, bf16)", "",
              *report.table(["ZeRO stage", "samples/s", "step ms", "peak memory GiB"],
                            [[stage, _fmt(z.get("samples_per_s")), _fmt(z.get("step_ms")), _fmt(z.get("peak_gib"))]
@@ -473,6 +544,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     p.add_argument("--encode-texts", type=int, default=8192, help="(d): texts per round")
     p.add_argument("--eval-pairs", type=int, default=1024, help="(e): test pairs of the synthetic task")
     p.add_argument("--rounds", type=int, default=2, help="(d), (e): timed rounds, the best kept")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="(a): also profile this many steps of each side (torch profiler): where the step's time goes")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's peak dense bf16 TFLOP/s (default: by name)")
     p.add_argument("--cpu", action="store_true", help="run every part tiny on the CPU (tiny arch, 2 steps): a smoke "
                    "test of this script")
@@ -487,6 +560,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
                f"--methods {args.methods} --method-batch {args.method_batch} --cycles {args.cycles} "
                f"--encode-batch {args.encode_batch} --encode-images {args.encode_images} --encode-texts {args.encode_texts} "
                f"--eval-pairs {args.eval_pairs} --rounds {args.rounds}"
+               + (f" --profile {args.profile}" if args.profile else "")
                + (f" --peak-tflops {args.peak_tflops:g}" if args.peak_tflops else "") + (" --cpu" if args.cpu else "")
                + f" --out {args.out}")
 
@@ -512,14 +586,25 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
         deepspeed.init_distributed(dist_backend="gloo" if args.cpu else "nccl")
     tic = time.perf_counter()
 
+    parts_file, done, failed = Path(args.out).with_suffix(".parts.json"), {}, {}
+
     def part(name: str, fn: Callable, *a):
+        """One part's measurements, kept in `parts_file` as they come: a GPU lease is minutes long, and a part
+        that fails must not take the others' numbers with it (the rest still run; the run fails at the end)."""
         start = time.perf_counter()
-        result = fn(*a)
+        try:
+            done[name] = fn(*a)
+        except Exception:  # noqa: BLE001 (reported with its traceback, and the run fails below)
+            failed[name] = traceback.format_exc()
+            print(f"[gpu] {name} failed:\n{failed[name]}", flush=True)
+            _free(device)
         print(f"[gpu] {name}: {time.perf_counter() - start:.0f} s", flush=True)
-        return result
+        report.write(parts_file, [json.dumps({"done": done, "failed": failed}, indent=1, default=str)])
+        return done.get(name)
 
     with tempfile.TemporaryDirectory() as tmp:
-        train = part("(a) training step", measure_training, args.arch, args.batch, args.steps, args.warmup, device)
+        train = part("(a) training step", measure_training, args.arch, args.batch, args.steps, args.warmup, device,
+                     "bf16", args.profile)
         zero = part("(b) ZeRO 2 / 3", measure_zero, args.arch, args.batch, args.steps, args.warmup, device)
         methods = part("(c) method steps", measure_methods, args.arch, args.method_batch, args.cycles, device,
                        [m for m in args.methods.split(",") if m], Path(tmp))
@@ -527,6 +612,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
                       args.encode_texts, device, args.rounds)
         embed = part("(e) embed path", measure_embed, args.arch, args.eval_pairs, args.encode_batch, device, args.rounds,
                      Path(tmp))
+    if failed:
+        raise SystemExit(f"gpu: {len(failed)} part(s) failed ({', '.join(failed)}); the others' numbers are in {parts_file}")
+    parts_file.unlink()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     peak = peak_tflops(name, args.peak_tflops) if device.type == "cuda" or args.peak_tflops else None
     text = gpu_report(Path(args.out), command, report.device(), versions(), args.arch, args.batch, train, zero, methods,

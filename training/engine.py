@@ -67,14 +67,24 @@ def deepspeed_config(train: dict, world_size: int, total_steps: int) -> dict:
                        "warmup_type": "linear", "cos_min_ratio": train["min_lr_ratio"]},
         },
         "gradient_clipping": train["grad_clip"],
-        # torch's attention (and open_clip's ResNet attention pool) reads its projections' weights without calling
-        # them, which ZeRO-3's per-module gathering would leave placeholders: each is gathered whole (a "leaf")
-        "zero_optimization": {"stage": train["zero_stage"],
-                              **({"leaf_module": {"classes": ["MultiheadAttention", "AttentionPool2d"]}} if train["zero_stage"] == 3 else {})},
+        **zero_section(precision, train["zero_stage"]),
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16"},
         "steps_per_print": 10**9,
     }
+
+
+def zero_section(precision: str, zero_stage: int) -> dict:
+    """The config's ZeRO section; in bf16 below ZeRO 2, DeepSpeed's BF16_Optimizer: fp32 master weights and
+    fp32 gradient accumulation in flat buffers, which DeepSpeed runs at stage 1 (on one worker it partitions nothing;
+    on several, only the optimizer's states). Stage 0 in bf16 would take DeepSpeed's unfused per-tensor fp16 path,
+    whose step is about twice a plain loop's on a GPU (benchmarks/results/gpu.md), and accumulate gradients in bf16."""
+    if precision == "bf16" and zero_stage <= 1:
+        return {"zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}}
+    # torch's attention (and open_clip's ResNet attention pool) reads its projections' weights without calling
+    # them, which ZeRO-3's per-module gathering would leave placeholders: each is gathered whole (a "leaf")
+    leaf = {"leaf_module": {"classes": ["MultiheadAttention", "AttentionPool2d"]}} if zero_stage == 3 else {}
+    return {"zero_optimization": {"stage": zero_stage, **leaf}}
 
 
 def warmup_steps(train: dict, total_steps: int) -> int:
@@ -99,6 +109,9 @@ def check_precision(precision: str, gpus_per_worker: float) -> None:
         raise ValueError(f"train.precision=bf16: {torch.cuda.get_device_name()} has no bf16; use fp16 or fp32")
 
 
+ALIGN_ELEMENTS = 64  # 128 bytes of bf16: the alignment tensor-core GEMMs want of their operands
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None = None, lr_scale=None) -> list[dict]:
     """open_clip's split: no decay on gains, biases, embeddings and the logit scale. `lr_scale(name)` (a method's:
     C-CLIP's text learning rate is a multiple of the image one) puts a parameter whose scale is not 1 in a group
@@ -113,6 +126,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float, lr: float | None =
         if (not exclude, scale) not in groups:
             groups[(not exclude, scale)] = {"params": [], "weight_decay": 0.0 if exclude else weight_decay, "lr": lr * scale}
         groups[(not exclude, scale)]["params"].append(param)
+    for group in groups.values():
+        # DeepSpeed's bf16/fp16 optimizers and ZeRO keep each group in one flat buffer, the parameters views into it
+        # in this order: one tensor of an odd size (the logit scale) ahead of the others would leave every later one
+        # misaligned, and cuBLAS then runs their Linear layers on slow fallback kernels. Odd sizes last.
+        group["params"].sort(key=lambda p: p.numel() % ALIGN_ELEMENTS != 0)
     return list(groups.values())
 
 
@@ -254,9 +272,9 @@ def export(engine, method, bundle, folder: Path, rank: int, frozen_fp32: dict | 
 def _master_weights(engine, rank: int, frozen_fp32: dict):
     """On rank 0, the engine's module (whole: gathered) holding fp32 values while inside: the trained parameters'
     master copies, the frozen ones' `frozen_fp32`, the floating buffers upcast; the engine's own tensors are put back on
-    the way out. The masters: DeepSpeed's `safe_get_full_fp32_param` under ZeRO (a collective, so every rank asks for
-    each in turn); without ZeRO, bf16 and fp16 engines step DeepSpeed's FP16 optimizers, whose fp32 groups that
-    function does not reach, so they are read from them."""
+    the way out. The masters: DeepSpeed's `safe_get_full_fp32_param` under ZeRO and bf16's BF16_Optimizer (a
+    collective, so every rank asks for each in turn); without ZeRO, fp16 engines step DeepSpeed's FP16 optimizers,
+    whose fp32 groups that function does not reach, so they are read from them."""
     module = engine.module
     named = list(module.named_parameters())
     if all(p.dtype == torch.float32 for _, p in named):

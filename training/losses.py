@@ -9,10 +9,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import (
-    all_gather_single_autograd,
-    wait_tensor,
-)
+from torch.distributed._functional_collectives import wait_tensor
+
+try:
+    from torch.distributed._functional_collectives import all_gather_single_autograd
+except ImportError:  # torch 2.11 (the GPU machines' image) has only the name later releases deprecate
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd as all_gather_single_autograd
 
 
 def world() -> tuple[int, int]:

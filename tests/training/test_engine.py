@@ -72,3 +72,29 @@ def test_a_precision_the_workers_device_cannot_train_in_is_refused_in_one_line()
         check_precision("fp16", 0)
     check_precision("bf16", 0)  # DeepSpeed's CPU accelerator has bf16 (test_zero trains in it)
     check_precision("fp32", 0)
+
+
+def test_param_groups_keep_every_tensor_aligned_in_deepspeeds_flat_buffers():
+    """DeepSpeed lays each group out back to back in one flat buffer: with the odd-sized ones (the logit scale) last,
+    every other tensor starts 128-byte aligned, which cuBLAS's fast GEMM kernels need of a Linear's weight and bias."""
+    model = prepare_for_deepspeed(models.create("ViT-B-32").model)
+    for group in param_groups(model, 0.1):
+        offsets, offset = [], 0
+        for p in group["params"]:
+            offsets.append((offset, p.numel()))
+            offset += p.numel()
+        odd = [i for i, (_, n) in enumerate(offsets) if n % 64]
+        assert odd == list(range(len(offsets) - len(odd), len(offsets)))  # the odd sizes, if any, at the end
+        assert all(start % 64 == 0 for start, n in offsets if n % 64 == 0)
+    no_decay = param_groups(model, 0.1)[0]["params"]
+    assert no_decay[-1] is model.logit_scale  # (it came first among the no-decay tensors before)
+
+
+def test_bf16_below_zero_2_takes_deepspeeds_bf16_optimizer_with_fp32_gradient_accumulation():
+    for stage, expected in ((0, 1), (1, 1), (2, 2), (3, 3)):
+        train = resolve("finetune", ["train.precision=bf16", f"train.zero_stage={stage}"])["train"]
+        cfg = deepspeed_config(train, 1, 10)
+        assert cfg["zero_optimization"]["stage"] == expected
+        assert cfg.get("data_types") == ({"grad_accum_dtype": "fp32"} if stage <= 1 else None)
+    fp32 = resolve("finetune", ["train.zero_stage=0"])["train"]
+    assert deepspeed_config(fp32, 1, 10)["zero_optimization"] == {"stage": 0} and "data_types" not in deepspeed_config(fp32, 1, 10)

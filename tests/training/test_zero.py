@@ -184,18 +184,15 @@ def _bf16_ctp_steps(rank: int, world: int) -> dict:
         batch = {"image": torch.randn(4, 3, 32, 32, generator=g), "text": torch.randint(1, 400, (4, 32), generator=g)}
         losses = [float(train_step(engine, method, ctx, batch)[0].detach()) for _ in range(4)]
         ctp = method.components[0]
-        # the tensors torch's AdamW steps: ZeRO's partitions (gathered by DeepSpeed's own accessor), or without ZeRO
-        # the fp32 copies DeepSpeed's FP16 optimizer hands it, one group per group of the engine's bf16 parameters
-        stepped = {id(low): fp32 for lows, group in zip(engine.optimizer.fp16_groups,
-                                                        engine.optimizer.optimizer.param_groups)
-                   for low, fp32 in zip(lows, group["params"])} if stage == 0 else {}
+        # the tensors torch's AdamW steps (ZeRO's partitions, BF16_Optimizer's flat fp32 groups), gathered whole by
+        # DeepSpeed's own accessor
         with gathered(engine.module.parameters()):
-            masters = {n: stepped[id(p)].detach().clone() if id(p) in stepped else safe_get_full_fp32_param(p)
-                       for n, p in engine.module.named_parameters() if p.requires_grad}
+            masters = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters() if p.requires_grad}
             engine_values = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         folder = Path(tempfile.mkdtemp(prefix="bf16-export-"))
         export(engine, method, bundle, folder, rank, frozen)
         found = {"losses": losses, "engine": str(next(engine.module.parameters()).dtype),
+                 "optimizer": type(engine.optimizer).__name__,
                  "momentum": str(next(ctp.momentum_model.parameters()).dtype),
                  "queue": str(ctp.queues["image"].rows.dtype),
                  "engine after": sorted({str(v.dtype) for v in engine_values.values()})}
@@ -215,14 +212,16 @@ def _bf16_ctp_steps(rank: int, world: int) -> dict:
 
 
 def test_bf16_trains_on_cpu_at_zero_0_and_3_and_exports_the_fp32_masters():
-    """DeepSpeed's bf16 on CPU workers, under ZeRO 0 and 3, with CTP (momentum model, queues, a teacher-free first
-    task): it trains, keeps the method's state in fp32, and exports fp32 weights, the optimizer's masters."""
+    """DeepSpeed's bf16 on CPU workers, asked for ZeRO 0 (run as BF16_Optimizer's stage 1) and 3, with CTP (momentum
+    model, queues, a teacher-free first task): it trains, keeps the method's state in fp32, and exports fp32 weights, the optimizer's masters."""
     from tests.conftest import on_gloo
 
     results = on_gloo(_bf16_ctp_steps, 2)
     for rank, by_stage in results.items():
         for stage, out in by_stage.items():
             assert out["engine"] == "torch.bfloat16" and out["engine after"] == ["torch.bfloat16"], stage
+            # below ZeRO 2, bf16 steps BF16_Optimizer (fp32 gradient accumulation), not the unfused fp16 path
+            assert out["optimizer"] == ("BF16_Optimizer" if stage == 0 else "DeepSpeedZeroOptimizer_Stage3"), stage
             assert out["momentum"] == out["queue"] == "torch.float32", stage  # an EMA's small steps would vanish in bf16
             # it trained (CTP's queue moves its contrast every step, so the loss need not fall in so few)
             assert all(torch.isfinite(torch.tensor(out["losses"]))) and len(set(out["losses"])) == 4, stage

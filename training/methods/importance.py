@@ -16,6 +16,7 @@ the measurement's seconds are logged as `method/importance_seconds`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import warnings
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from clipstream.training.methods.base import (
     Method,
@@ -56,7 +58,10 @@ def per_sample_importance(model: torch.nn.Module, names: list[str], batches: lis
     per_sample = vmap(grad(term), in_dims=(None, 0, 0, 0, None))
     total = {n: torch.zeros(t.shape, dtype=torch.float32, device=t.device) for n, t in theta.items()}
     count = 0
-    with towers(model), warnings.catch_warnings():
+    # On CUDA, vmap hands the fused attention kernels a mask without the batch dimension they check for ("attn_bias:
+    # wrong shape"): torch's math attention there, which vmap batches like any matmul and softmax.
+    math_attention = sdpa_kernel(SDPBackend.MATH) if next(iter(theta.values())).is_cuda else contextlib.nullcontext()
+    with towers(model), warnings.catch_warnings(), math_attention:
         # torch's fused CPU attention has no vmap rule: vmap runs it sample by sample, which costs little next to the
         # gradients themselves, and says so on every call
         warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
