@@ -270,6 +270,27 @@ def streams(cells: dict[str, dict[int, dict]]) -> dict[str, dict[int, stats.Stre
             for label, by_seed in cells.items()}
 
 
+def run_seeds(settings: Settings, bench: str, seeds: Sequence[int], spec: dict,
+              synth: Callable[[Path, int], list[Path]], variants: Sequence[Variant],
+              first: Callable[[Variant], tuple[str, tuple[str, ...]]], workers: int,
+              base_sets: Callable[[int], Sequence[str]], cache: Cache, key: dict,
+              zero_shot: Callable[[Path], Sequence[Path]] = lambda root: (),
+              first_base: Optional[Callable[[int], Sequence[str]]] = None) -> dict[str, dict[int, dict]]:
+    """`run_seed` for each seed, on the seed's own data (`synth(root, seed)`, made once per `spec` and seed under the
+    settings' data folder): label -> seed -> cell. `base_sets`, `first_base` (per seed) and `zero_shot` (per data
+    root) are run_seed's, as functions."""
+    results: dict[str, dict[int, dict]] = {v.label: {} for v in variants}
+    for seed in seeds:
+        data = {**spec, "seed": seed}  # what the synthetic data depends on
+        root = settings.data_dir / f"bench-{bench}-{Cache.digest(data)[:10]}-s{seed}"
+        dirs = seed_data(root, lambda r: synth(r, seed))
+        done = run_seed(settings, bench, seed, dirs, variants, first, workers, base_sets(seed), cache, key,
+                        zero_shot(root), first_base(seed) if first_base else None)
+        for label, cell in done.items():
+            results[label][seed] = cell
+    return results
+
+
 def seed_data(root: Path, make: Callable[[Path], list[Path]]) -> list[Path]:
     """The seed's task folders under `root`, made by `make(root)` once (a marker lists them when complete): a rerun
     trains on the same files, so its lineage (data digests) matches the cached cells'."""

@@ -196,15 +196,10 @@ def methods(settings: Settings, tasks: int = 3, seeds: Sequence[int] = (0, 1, 2)
     key = {"bench": "methods", "tasks": tasks, "test_per_task": test_per_task, "workers": workers,
            "overrides": overrides}
     store = cells.Cache(Path(cache) if cache else settings.home / "bench-cells" / "methods", fresh)
-    results: dict[str, dict[int, dict]] = {v.label: {} for v in variants}
-    for seed in seeds:
-        data = {"tasks": tasks, "test_per_task": test_per_task, "seed": seed}  # what the synthetic data depends on
-        root = settings.data_dir / f"bench-methods-{cells.Cache.digest(data)[:10]}-s{seed}"
-        dirs = cells.seed_data(root, lambda r: synthesize(r, tasks=tasks, seed=seed, test_per_task=test_per_task))
-        done = cells.run_seed(settings, "methods", seed, dirs, variants, first, workers, [*seeded(seed), *overrides],
-                              store, key, held_out_tasks(root))
-        for label, cell in done.items():
-            results[label][seed] = cell
+    results = cells.run_seeds(settings, "methods", seeds, {"tasks": tasks, "test_per_task": test_per_task},
+                              lambda root, seed: synthesize(root, tasks=tasks, seed=seed, test_per_task=test_per_task),
+                              variants, first, workers, lambda seed: [*seeded(seed), *overrides], store, key,
+                              held_out_tasks)
     streams = cells.streams(results)
     tables = statistics(tasks + 1, stats.modes(streams))
     summary = stats.bootstrap(streams, [st for table in tables.values() for st in table],

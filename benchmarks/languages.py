@@ -97,17 +97,12 @@ def languages(settings: Settings, k: int, names: list[str], seeds: Sequence[int]
     key = {"bench": "languages", "languages": k, "test_per_task": test_per_task, "workers": workers,
            "overrides": overrides}
     store = cells.Cache(Path(cache) if cache else settings.home / "bench-cells" / "languages", fresh)
-    results: dict[str, dict[int, dict]] = {v.label: {} for v in variants}
-    for seed in seeds:
-        data = {"languages": k, "test_per_task": test_per_task, "seed": seed}  # what the synthetic data depends on
-        root = settings.data_dir / f"bench-languages-{cells.Cache.digest(data)[:10]}-s{seed}"
-        dirs = cells.seed_data(root, lambda r: synthesize_languages(r, k, seed=seed, test_per_task=test_per_task))
-        # English is trained once per seed with finetune (the CLIP every stream teaches the other languages, and
-        # their frozen teacher; the command's --set are the streams'), the parent of every stream's second language
-        done = cells.run_seed(settings, "languages", seed, dirs, variants, lambda v: ("finetune", ()), workers,
-                              [*seeded(seed), *overrides], store, key, first_base=seeded(seed))
-        for label, cell in done.items():
-            results[label][seed] = cell
+    # English is trained once per seed with finetune (the CLIP every stream teaches the other languages, and their
+    # frozen teacher; the command's --set are the streams'), the parent of every stream's second language
+    results = cells.run_seeds(settings, "languages", seeds, {"languages": k, "test_per_task": test_per_task},
+                              lambda root, seed: synthesize_languages(root, k, seed=seed, test_per_task=test_per_task),
+                              variants, lambda v: ("finetune", ()), workers, lambda seed: [*seeded(seed), *overrides],
+                              store, key, first_base=seeded)
     first = next(iter(next(iter(results.values())).values()))["tasks"][0]
     tables = statistics(k, first)
     summary = stats.bootstrap(cells.streams(results), [st for table in tables.values() for st in table],

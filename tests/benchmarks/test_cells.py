@@ -151,3 +151,33 @@ def test_seed_data_is_made_once(tmp_path):
 
     assert cells.seed_data(tmp_path / "s0", make) == [tmp_path / "s0" / "task-00"]
     assert cells.seed_data(tmp_path / "s0", make) == [tmp_path / "s0" / "task-00"] and len(made) == 1
+
+
+def test_run_seeds_makes_each_seeds_data_once_and_gives_each_seed_its_own_sets(jobs, settings, tmp_path):
+    made, zero_shot = [], []
+
+    def synth(root, seed):  # each seed's data: three task folders under its root, the fake jobs' DIRS, recorded
+        made.append((root.name, seed))
+        DIRS[:] = [root / f"task-0{i}" for i in range(3)]
+        for d in DIRS:
+            d.mkdir(parents=True)
+        return list(DIRS)
+
+    def held_out(root):
+        zero_shot.append(root.name)
+        return ()
+
+    def both():
+        return cells.run_seeds(settings, "methods", [0, 1], {"tasks": 2}, synth, [Variant("lwf", "lwf")],
+                               lambda v: ("finetune", ()), 1, lambda seed: [f"train.seed={seed}"],
+                               cells.Cache(tmp_path / "cache"), {"bench": "methods", "tasks": 2}, held_out)
+
+    out = both()
+    assert sorted(out["lwf"]) == [0, 1] and out["lwf"][0]["versions"] != out["lwf"][1]["versions"]
+    roots = [name for name, _ in made]
+    assert [seed for _, seed in made] == [0, 1] and roots[0].endswith("-s0") and roots[1].endswith("-s1")
+    assert zero_shot == roots  # the zero-shot tasks read from each seed's own data
+    assert {c[3][0] for c in jobs.calls} == {"train.seed=0", "train.seed=1"}  # every job has its seed's sets
+    calls = len(jobs.calls)
+    both()  # a rerun: no data made again, no job trained, the same cells
+    assert len(made) == 2 and len(jobs.calls) == calls
