@@ -379,14 +379,15 @@ def test_train_asking_gpus_a_cpu_machine_lacks_exits_1_in_one_line_and_registers
     assert Registry(Settings(home=tmp_path / "home")).versions() == []
 
 
-def test_help_loads_neither_deepspeed_nor_ray_and_prints_nothing_of_theirs():
-    """The parser reads the presets (training/methods), which must not pull DeepSpeed in: it logs its accelerator
-    choice as a WARNING on import, which every quiet command then printed before its own lines."""
+def test_help_loads_neither_torch_nor_deepspeed_nor_ray_and_prints_nothing_of_theirs():
+    """The parser reads the presets (training/methods), which must not pull DeepSpeed in (it logs its accelerator
+    choice as a WARNING on import, which every quiet command then printed before its own lines), nor torch and
+    open_clip, which made `clipstream --help` take seconds (benchmarks/cli_startup.py times it)."""
     import subprocess
     import sys
 
     code = ("import sys; from clipstream.cli.parser import parser; parser().format_help(); "
-            "print(sorted(m for m in ('deepspeed', 'ray', 'mlflow') if m in sys.modules))")
+            "print(sorted(m for m in ('deepspeed', 'ray', 'mlflow', 'torch', 'open_clip') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
     assert "WARNING" not in done.stderr

@@ -1,35 +1,18 @@
-"""Continual-learning methods by name, and the presets that configure and compose them."""
+"""Continual-learning methods by name, and the presets that configure and compose them.
 
-from clipstream.training.methods.base import (
-    Features,
-    Method,
-    Stack,
-    TaskContext,
-    forward_features,
-)
-from clipstream.training.methods.cclip import CClip
-from clipstream.training.methods.cllclip import CllClip
-from clipstream.training.methods.config import method_presets, resolve
-from clipstream.training.methods.ctp import CTP
-from clipstream.training.methods.er import ER
-from clipstream.training.methods.ewc import EWC
-from clipstream.training.methods.joint import Joint
-from clipstream.training.methods.lwf import LwF
-from clipstream.training.methods.mas import MAS
-from clipstream.training.methods.modx import ModX
+The names load on first use (PEP 562): the presets (`config`, `schema`) need no torch, so a command that only reads
+them, `clipstream --help` listing the presets, does not import it."""
 
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Joint, EWC, MAS, LwF, ER, ModX, CTP, CClip, CllClip)}
+import importlib
+
+_HOME = {"Features": "base", "Method": "base", "Stack": "base", "TaskContext": "base", "forward_features": "base",
+         "METHODS": "catalog", "build": "catalog", "method_presets": "config", "resolve": "config"}
+__all__ = sorted(_HOME)
 
 
-def build(config: dict) -> Stack:
-    """The methods of a resolved preset's `method` section ({name: params}), applied together; an empty
-    section is sequential fine-tuning. The stack is named after the preset."""
-    section = config.get("method") or {}
-    unknown = sorted(set(section) - set(METHODS))
-    if unknown:
-        raise ValueError(f"unknown method(s) {unknown} in preset {config.get('preset')!r}; known: {', '.join(sorted(METHODS))}")
-    return Stack(config.get("preset", "+".join(section) or "finetune"),
-                 [METHODS[name](dict(params or {})) for name, params in section.items()])
-
-
-__all__ = ["Features", "METHODS", "Method", "Stack", "TaskContext", "build", "forward_features", "method_presets", "resolve"]
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value
