@@ -12,6 +12,8 @@ from clipstream import console
 from clipstream.cli.parser import parser
 from clipstream.settings import Settings, configure_process
 
+EXIT_UNREACHABLE = 3  # the server did not answer (parser.EXIT_STATUS lists every code)
+
 # the commands that start Ray, DeepSpeed or Ray Serve: quiet unless -v (see clipstream.console)
 QUIET = ("train", "register", "eval", "index", "compact", "promote", "rollback", "follow", "serve", "demo", "bench", "ui",
          "controller")
@@ -57,8 +59,13 @@ def main(argv: list[str] | None = None) -> int:
                   "please report it)", file=console.err())
             return 1
         rpc = _loaded("grpc")
-        detail = f"{exc.code().name}: {exc.details()}" if rpc and isinstance(exc, rpc.RpcError) else _one_line(exc)
-        print(f"clipstream: error: {detail}", file=console.err())  # a gRPC error: the service's own status and message
+        if rpc and isinstance(exc, rpc.RpcError):  # the service's own status and message
+            unreachable = exc.code() in (rpc.StatusCode.UNAVAILABLE, rpc.StatusCode.DEADLINE_EXCEEDED)
+            hint = " (no server answered: is `clipstream serve` running there? --address names another)" * unreachable
+            print(f"clipstream: error: {exc.code().name}: {' '.join(str(exc.details()).split())}{hint}",
+                  file=console.err())
+            return EXIT_UNREACHABLE if unreachable else 2
+        print(f"clipstream: error: {_one_line(exc)}", file=console.err())
         return 2
     return code or 0
 

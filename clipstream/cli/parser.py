@@ -7,6 +7,11 @@ import argparse
 from clipstream.cli import controller, data, demo, manifests, serving, training, ui, versions
 
 DESCRIPTION = "The `clipstream` command: synthesise data, train task after task, evaluate, list versions, demo."
+EXIT_STATUS = """exit status:
+  0  done
+  1  a failure not caused by the input: a training job, MLflow or the vector store (one line on stderr)
+  2  bad input: an option, a file, a version or a task the command cannot use (one line on stderr)
+  3  the server did not answer (gRPC UNAVAILABLE or DEADLINE_EXCEEDED): not started, or the wrong address"""
 
 
 class _Help(argparse.RawDescriptionHelpFormatter):
@@ -90,7 +95,7 @@ def parser() -> argparse.ArgumentParser:
     from clipstream.training.methods.config import PRESETS, SCALES, load_presets, method_presets
 
     shipped = [n for n in method_presets(load_presets(PRESETS)) if not n.endswith(tuple(f"-{s}" for s in SCALES))]  # not the user's file: a bad one is an error of `main`, not of --help
-    p = _Parser(prog="clipstream", description=DESCRIPTION)
+    p = _Parser(prog="clipstream", description=DESCRIPTION, epilog=EXIT_STATUS)
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -126,6 +131,9 @@ def parser() -> argparse.ArgumentParser:
         q.add_argument("--zero-shot", action="append", default=[], metavar="TASK",
                        help="a held-out task no version trains on, evaluated with every version of the stream for "
                             "zero-shot retention (repeatable; default: the parent's)")
+
+    def json_arg(q):
+        q.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
 
     def client_args(q):
         q.add_argument("--address", help="HOST:PORT of the server (default 127.0.0.1 and the Settings port)")
@@ -165,6 +173,7 @@ def parser() -> argparse.ArgumentParser:
                     help="a task folder to evaluate on (repeatable; default: every task the version was trained on)")
     ev.add_argument("--through-index", action="store_true",
                     help="rank the stored vectors (queries encoded by this version) instead of re-embedding galleries")
+    json_arg(ev)
     ev.set_defaults(func=training._eval)
 
     ix = sub.add_parser("index", help="embed a task's gallery with a version and store it in the vector index")
@@ -189,14 +198,16 @@ def parser() -> argparse.ArgumentParser:
                    "appends write one each; the indexing job merges them past Settings index_compact_segments)"
                    ).set_defaults(func=versions._compact)
 
-    sub.add_parser("runs", help="registered versions with their key metrics").set_defaults(func=versions._runs)
+    json_arg(runs := sub.add_parser("runs", help="registered versions with their key metrics"))
+    runs.set_defaults(func=versions._runs)
 
     pr = sub.add_parser("promote", help="check a version's gates, index its gallery, move alias production to it")
     pr.add_argument("version", help="models:/STREAM@ALIAS, an alias or a version number")
     pr.add_argument("--force", action="store_true", help="promote even when gates fail (recorded as forced)")
     pr.add_argument("--no-index", action="store_true", help="move the alias without putting the gallery in place")
     pr.set_defaults(func=versions._promote)
-    sub.add_parser("history", help="every promotion and rollback, oldest first").set_defaults(func=versions._history)
+    json_arg(hist := sub.add_parser("history", help="every promotion and rollback, oldest first"))
+    hist.set_defaults(func=versions._history)
     fo = sub.add_parser("follow", help="honour a production alias moved in MLflow: index its gallery (serving "
                         "switches then) and record it in the history (`serve` does this unless --no-follow)")
     fo.add_argument("--once", action="store_true", help="check once and exit (default: every --interval seconds)")
@@ -217,6 +228,7 @@ def parser() -> argparse.ArgumentParser:
     en.add_argument("--model-version", default="", help="a version number or alias (default: production)")
     en.add_argument("--language", default="", help="the text's language (a task's lang): refused by a version not trained on it")
     client_args(en)
+    json_arg(en)
     en.set_defaults(func=serving._encode)
     se = sub.add_parser("search", help="search the index through the running service")
     se.add_argument("query", nargs="?", help="a text query (or use --image)")
@@ -226,6 +238,7 @@ def parser() -> argparse.ArgumentParser:
     se.add_argument("--model-version", default="", help="a version number or alias whose vectors are searched (default: production)")
     se.add_argument("--language", default="", help="the text's language (a task's lang): refused by a version not trained on it")
     client_args(se)
+    json_arg(se)
     se.set_defaults(func=serving._search)
     kube = sub.add_parser("k8s", help="print RayJob manifests for `kubectl apply -f -` (see k8s/README.md)")
     kube_sub = kube.add_subparsers(dest="k8s_command", required=True)
@@ -307,11 +320,15 @@ def parser() -> argparse.ArgumentParser:
 
     hc = sub.add_parser("health", help="check the running service with grpc.health.v1 (exit 0 when SERVING)")
     hc.add_argument("--service", default="", help="a service name such as clipstream.v1.Search (default: the server)")
+    hc.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                    help="how long to wait for an answer; a server that is down fails at once, exit 3 (no retries)")
     client_args(hc)
+    json_arg(hc)
     hc.set_defaults(func=serving._health)
 
     st = sub.add_parser("status", help="what the running service holds (Admin.GetStatus and ListVersions)")
     client_args(st)
+    json_arg(st)
     st.set_defaults(func=serving._status)
 
     from clipstream.benchmarks import BENCHMARKS

@@ -5,6 +5,24 @@ Imported by the local cluster's demo too: nothing here imports the rest of the c
 from __future__ import annotations
 
 
+def print_json(data) -> None:
+    """`data` as one JSON document on stdout (`--json`): NaN (a metric not measured) as null, arrays as lists."""
+    import json
+    import math
+
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {str(k): clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        if hasattr(x, "tolist"):  # numpy arrays and scalars
+            return clean(x.tolist())
+        return x
+    print(json.dumps(clean(data), indent=1, default=str))
+
+
 def format_table(rows: list[tuple[str, ...]]) -> str:
     """Columns padded to their widest cell (the last one left ragged); the first row is the header."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]

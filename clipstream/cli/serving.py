@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from clipstream.cli.render import format_hits, format_table
+from clipstream.cli.render import format_hits, format_table, print_json
 from clipstream.settings import Settings
 
 
@@ -34,18 +34,20 @@ def _serve(args) -> None:
         pass
 
 
-def _client(args):
+def _client(args, **options):
     from clipstream.services.client import Client
 
     settings = Settings()
     args.address = args.address or f"127.0.0.1:{settings.grpc_port}"  # what the command's output names
     return Client(args.address, api_key=settings.secret("api_key"), tls=args.tls or settings.tls,
-                  ca_file=settings.tls_ca_file or settings.tls_cert_file)
+                  ca_file=settings.tls_ca_file or settings.tls_cert_file, **options)
 
 
 def _status(args) -> None:
     with _client(args) as client:
         status, versions = client.status(), client.versions()
+    if args.json:
+        return print_json({"status": status, "versions": versions})
     print(f"stream {status['stream']}: production v{status['production_version'] or '-'}, queries encoded by "
           f"v{status['query_version'] or '-'}, index generation {status['index_generation']}, "
           f"loaded {', '.join('v' + v for v in status['loaded_versions']) or 'none'}")
@@ -59,10 +61,14 @@ def _status(args) -> None:
 
 
 def _health(args) -> int:
-    """A probe for people and for `helm test`: one line, exit 0 only when the service answers SERVING."""
-    with _client(args) as client:
+    """A probe for people and for `helm test`: one line, exit 0 only when the service answers SERVING; a server that
+    does not answer fails at once (no retries: a probe's caller retries), exit 3."""
+    with _client(args, retries=0, timeout_s=args.timeout) as client:
         status = client.health(args.service)
-    print(f"{args.address} {args.service or '(server)'}: {status}")
+    if args.json:
+        print_json({"address": args.address, "service": args.service, "status": status})
+    else:
+        print(f"{args.address} {args.service or '(server)'}: {status}")
     return 0 if status == "SERVING" else 1
 
 
@@ -70,6 +76,10 @@ def _encode(args) -> None:
     with _client(args) as client:
         vectors, version = (client.encode_image(args.image, model_version=args.model_version) if args.image
                             else client.encode_text(args.text, model_version=args.model_version, language=args.language))
+    if args.json:
+        return print_json({"model_version": version, "dimension": int(vectors.shape[1]),
+                           "items": [{"input": str(item), "vector": vector} for item, vector in
+                                     zip(args.image or args.text, vectors)]})
     for item, vector in zip(args.image or args.text, vectors):
         print(f"{str(item)[:40]:<40} " + " ".join(f"{v:+.3f}" for v in vector[:8]) + " ...")
     print(f"{len(vectors)} vectors of dimension {vectors.shape[1]} from model version {version}")
@@ -79,4 +89,6 @@ def _search(args) -> None:
     with _client(args) as client:
         hits = client.search(text=args.query if not args.image else None, image=args.image, task=args.task or "",
                              k=args.k, model_version=args.model_version, language=args.language)
+    if args.json:
+        return print_json({"query": args.query if not args.image else args.image, "task": args.task, "hits": hits})
     print(format_hits(hits, args.query if not args.image else args.image, args.task))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from clipstream.cli.render import print_registered, print_result
+from clipstream.cli.render import print_json, print_registered, print_result
 from clipstream.settings import Settings
 
 
@@ -46,6 +46,9 @@ def _eval(args) -> None:
     else:
         scores = evaluate.evaluate_seen([evaluate.embed_task(bundle, t) for t in tasks])
     source = "through the index" if args.through_index else "in memory"
+    if args.json:
+        return print_json({"version": version.version, "method": version.tags.get("method"),
+                           "trained_on": version.tags.get("task"), "source": source, "scores": scores})
     after = f"after task {version.tags['task']}" if version.tags.get("task") else "before any training"
     print(f"version {version.version} ({version.tags.get('method')}, {after}), {source}")
     print(evaluate.format_scores(scores))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clipstream.cli.render import format_table, print_promotion
+from clipstream.cli.render import format_table, print_json, print_promotion
 from clipstream.settings import Settings
 
 
@@ -48,6 +48,16 @@ def _runs(args) -> None:
 
     registry = Registry(Settings())
     versions = registry.versions()
+    if args.json:
+        keys = {"AA": "known/AA", "forgetting": "known/forgetting", "BWT": "known/BWT", "zero_shot_Rm": "zero_shot/Rm",
+                "zero_shot_drop": "zero_shot/drop"}
+
+        def row(v) -> dict:
+            metrics = registry.run_metrics(v.run_id)
+            return {"version": v.version, "aliases": list(v.aliases), "task": v.tags.get("task") or None,
+                    "method": v.tags.get("method") or None, "parent_version": v.tags.get("parent_version") or None,
+                    "metrics": {name: metrics.get(key) for name, key in keys.items()}}
+        return print_json({"stream": registry.name, "versions": [row(v) for v in versions]})
     if not versions:
         print(f"no registered versions in stream {registry.name!r} yet (train one with `clipstream train`)")
         return
@@ -102,6 +112,8 @@ def _history(args) -> None:
     from clipstream.promotion import history
 
     records = history(Settings())
+    if args.json:
+        return print_json({"history": [{**r, "from_version": r["from_version"] or None} for r in records]})
     if not records:
         print("no promotions yet (promote a version with `clipstream promote VERSION`)")
         return

@@ -1,5 +1,7 @@
 """The `clipstream` command: bad input is a message and exit status 2, never a traceback."""
 
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -148,9 +150,19 @@ def test_register_from_a_checkpoint_or_an_export_folder_makes_version_0(kind, mo
     assert version.tags["source"] == model_sources[kind] and version.manifest["lineage"] == []
     assert main(["runs"]) == 0
     assert capsys.readouterr().out.splitlines()[2].split()[:4] == ["1", "candidate,start", "pretrained", "-"]
+    assert main(["runs", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["versions"]
+    assert (row["version"], row["aliases"], row["task"], row["method"], row["parent_version"]) == (
+        "1", ["candidate", "start"], None, "pretrained", None)  # (no task trained it: null, not "")
+    assert set(row["metrics"]) == {"AA", "forgetting", "BWT", "zero_shot_Rm", "zero_shot_drop"}
+    assert all(v is None or math.isfinite(v) for v in row["metrics"].values())  # (NaN is not JSON: null)
     assert main(["eval", "--version", "start"]) == 0  # on the tasks of its row 0
     out = capsys.readouterr().out
     assert "version 1 (pretrained, before any training), in memory" in out and Path(stream[0]).name in out
+    assert main(["eval", "--version", "start", "--json"]) == 0
+    scores = json.loads(capsys.readouterr().out)
+    assert scores["version"] == "1" and scores["source"] == "in memory"
+    assert set(scores["scores"]) == {"known", "unknown"} and Path(stream[0]).name in scores["scores"]["known"]
     if kind == "export":  # registered again without --evaluate: it serves no task, and says so
         assert main(["register", "--from", model_sources[kind]]) == 0 and main(["eval", "--version", "2"]) == 2
         assert "version 2 was trained and evaluated on no task: name tasks with --task" in capsys.readouterr().err
@@ -159,6 +171,30 @@ def test_register_from_a_checkpoint_or_an_export_folder_makes_version_0(kind, mo
 def test_runs_on_an_empty_registry_says_so(settings, capsys):
     assert main(["runs"]) == 0
     assert "no registered versions in stream 'clipstream'" in capsys.readouterr().out
+    assert main(["runs", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"stream": "clipstream", "versions": []}
+
+
+def test_a_server_that_does_not_answer_is_exit_3_at_once_and_the_exit_codes_are_in_help(capsys):
+    """`health` is a probe: no retries, a distinct code for "nobody answered" (not 2, a bad input), with or
+    without --json (nothing on stdout then)."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for extra in ([], ["--json"]):
+        tic = time.monotonic()
+        assert main(["health", "--address", f"127.0.0.1:{port}", *extra]) == 3
+        assert time.monotonic() - tic < 5  # (gRPC's retry policy made it 17 s)
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.startswith("clipstream: error: UNAVAILABLE: ")
+        assert "is `clipstream serve` running there?" in captured.err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "exit status:" in out and "  3  the server did not answer" in out
 
 
 def test_a_missing_presets_file_is_an_error_not_a_traceback(settings, stream, monkeypatch, capsys):

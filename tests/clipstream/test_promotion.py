@@ -2,6 +2,7 @@
 training: a tiny exported model registered with chosen lineage and metrics."""
 
 import getpass
+import json
 import shutil
 
 import pytest
@@ -128,6 +129,10 @@ def test_cli_promote_history_rollback(settings, stream, make, capsys):
     assert [line.split()[2:] for line in lines[2:]] == [
         ["-", "1", "promote", getpass.getuser(), "no"], ["1", "2", "force", getpass.getuser(), "yes"],
         ["2", "1", "rollback", getpass.getuser(), "no"]]
+    assert main(["history", "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)["history"]
+    assert [(r["from_version"], r["to_version"], r["reason"], r["forced"]) for r in records] == [
+        (None, "1", "promote", False), ("1", "2", "force", True), ("2", "1", "rollback", False)]
     assert main(["promote", "7"]) == 2 and "7: no such model version" in capsys.readouterr().err
 
 

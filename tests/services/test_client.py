@@ -1,5 +1,7 @@
 """The Python client against the real served app: batching, numpy outputs, search dicts, retries."""
 
+import json
+
 import grpc
 import numpy as np
 import pytest
@@ -94,6 +96,22 @@ def test_cli_search_and_encode_print_tables_and_statuses(served, indexed, capsys
     assert "task-known (squares)" in out and out.count("squares-") == 3
     assert main(["encode", "a red cup", "a blue lamp", "--address", address]) == 0
     assert "2 vectors of dimension 64 from model version 1" in capsys.readouterr().out
+    # --json: one document each, what the tables show and more (whole vectors, every hit field)
+    assert main(["search", "a red square", "--task", "squares", "-k", "3", "--address", address, "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["task"] == "squares" and len(found["hits"]) == 3
+    assert all(h["task"] == "squares" and h["item_id"].startswith("squares-") and -1 <= h["score"] <= 1
+               for h in found["hits"])
+    assert main(["encode", "a red cup", "a blue lamp", "--address", address, "--json"]) == 0
+    encoded = json.loads(capsys.readouterr().out)
+    assert encoded["model_version"] == "1" and encoded["dimension"] == 64
+    assert [item["input"] for item in encoded["items"]] == ["a red cup", "a blue lamp"]
+    assert all(abs(sum(x * x for x in item["vector"]) - 1) < 1e-3 for item in encoded["items"])  # unit vectors
+    assert main(["status", "--address", address, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert "squares" in {t["task"] for t in status["status"]["tasks"]} and status["versions"]
+    assert main(["health", "--address", address, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"address": address, "service": "", "status": "SERVING"}
     assert main(["search", "a cup", "--task", "nope", "--address", address]) == 2
     assert "NOT_FOUND: unknown task 'nope'" in capsys.readouterr().err
 
