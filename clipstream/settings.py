@@ -7,11 +7,13 @@ a YAML file (`CLIPSTREAM_CONFIG` or `./clipstream.yaml`), then the embedded defa
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
 from typing import Literal, Optional
 
+import yaml
 from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
@@ -185,6 +187,39 @@ class Settings(BaseSettings):
             if value is not None:
                 out[f"CLIPSTREAM_{name.upper()}"] = value.get_secret_value() if isinstance(value, SecretStr) else str(value)
         return out
+
+
+# CLIPSTREAM_* variables that are not settings: the settings file, and the fault-injection hook the tests use
+OTHER_VARIABLES = ("CLIPSTREAM_CONFIG", "CLIPSTREAM_FAIL_ONCE")
+
+
+def unknown_variables(environ: Optional[dict] = None) -> list[tuple[str, Optional[str]]]:
+    """(variable, the closest setting's variable or None) for each CLIPSTREAM_* variable no setting reads: a typo
+    there is otherwise silently ignored."""
+    environ = os.environ if environ is None else environ
+    known = {f"CLIPSTREAM_{name.upper()}" for name in Settings.model_fields} | set(OTHER_VARIABLES)
+
+    def closest(var: str) -> Optional[str]:  # on the part after the prefix, which every candidate shares
+        names = {v.removeprefix("CLIPSTREAM_"): v for v in known}
+        found = difflib.get_close_matches(var.removeprefix("CLIPSTREAM_"), sorted(names), n=1, cutoff=0.6)
+        return names[found[0]] if found else None
+    return [(var, closest(var)) for var in sorted(environ) if var.startswith("CLIPSTREAM_") and var not in known]
+
+
+def effective(settings: Settings) -> list[dict]:
+    """Every setting's value (secrets masked) and where it came from: `CLIPSTREAM_X`, the settings file, or the
+    default (some derived from `home`)."""
+    path = _config_file()
+    in_file = (yaml.safe_load(path.read_text()) or {}) if path else {}
+    rows = []
+    for name in Settings.model_fields:
+        var = f"CLIPSTREAM_{name.upper()}"
+        source = var if var in os.environ else f"{path}" if name in in_file else "default"
+        value = getattr(settings, name)
+        shown = ("(set)" if value is not None else None) if isinstance(value, SecretStr) else \
+            str(value) if isinstance(value, Path) else value
+        rows.append({"setting": name, "value": shown, "source": source})
+    return rows
 
 
 def is_uri(text: str) -> bool:

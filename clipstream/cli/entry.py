@@ -10,7 +10,7 @@ from pathlib import Path
 
 from clipstream import console
 from clipstream.cli.parser import parser
-from clipstream.settings import Settings, configure_process
+from clipstream.settings import Settings, configure_process, unknown_variables
 
 EXIT_UNREACHABLE = 3  # the server did not answer (parser.EXIT_STATUS lists every code)
 
@@ -37,6 +37,9 @@ def _quiet(command: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     configure_process()  # the process's MLflow set-up, once, here at the door
+    for variable, match in unknown_variables():  # a typo in a variable name would otherwise be silently ignored
+        print(f"clipstream: warning: {variable} is not a setting, ignored"
+              + (f" (did you mean {match}?)" if match else " (`clipstream config` lists them)"), file=console.err())
     if args.command in QUIET and not getattr(args, "verbose", False):
         if args.command == "bench":  # once the benchmark parsed its own options: its --help and errors show
             from clipstream.benchmarks import report

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from clipstream.cli import controller, data, demo, manifests, serving, training, ui, versions
+from clipstream.cli import config, controller, data, demo, manifests, serving, training, ui, versions
 
 DESCRIPTION = "The `clipstream` command: synthesise data, train task after task, evaluate, list versions, demo."
 EXIT_STATUS = """exit status:
@@ -317,6 +317,11 @@ def parser() -> argparse.ArgumentParser:
     co.add_argument("--worker-memory", default="32Gi", help="memory per worker pod")
     training_args(co)
     co.set_defaults(func=controller._controller)
+
+    cf = sub.add_parser("config", help="the effective settings and where each came from (CLIPSTREAM_* variables, "
+                        "the settings file, defaults)")
+    json_arg(cf)
+    cf.set_defaults(func=config._config)
 
     hc = sub.add_parser("health", help="check the running service with grpc.health.v1 (exit 0 when SERVING)")
     hc.add_argument("--service", default="", help="a service name such as clipstream.v1.Search (default: the server)")

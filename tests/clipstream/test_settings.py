@@ -1,4 +1,5 @@
 """Tests for clipstream.settings: defaults, CLIPSTREAM_* env vars, the YAML file, and their priority."""
+import json
 import os
 from pathlib import Path
 
@@ -198,3 +199,38 @@ def test_runs_dir_uri_stays_a_uri(tmp_path, monkeypatch, uri):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["h"] and not list(tmp_path.rglob("s3:*"))
     assert Settings(runs_dir="relative/runs").runs_dir == str(tmp_path / "relative/runs")  # a path: absolute
     assert Settings(runs_dir=tmp_path / "p").runs_dir == str(tmp_path / "p")
+
+
+def test_effective_settings_name_where_each_came_from(tmp_path, monkeypatch):
+    from clipstream.settings import effective
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CLIPSTREAM_GRPC_PORT", "9123")
+    monkeypatch.setenv("CLIPSTREAM_API_KEY", "s3cret")
+    write_yaml(tmp_path / "clipstream.yaml", {"stream": "news"})
+    rows = {r["setting"]: r for r in effective(Settings())}
+    assert rows["grpc_port"] == {"setting": "grpc_port", "value": 9123, "source": "CLIPSTREAM_GRPC_PORT"}
+    assert rows["stream"]["value"] == "news" and rows["stream"]["source"] == "clipstream.yaml"
+    assert rows["home"]["source"] == "default" and rows["data_dir"]["value"] == str(tmp_path / ".clipstream" / "data")
+    assert rows["api_key"]["value"] == "(set)" and "s3cret" not in str(rows)  # a secret is never shown
+    assert set(rows) == set(Settings.model_fields)
+
+
+def test_an_unknown_clipstream_variable_is_named_with_the_closest_setting(monkeypatch, capsys):
+    from clipstream.cli import main
+    from clipstream.settings import unknown_variables
+
+    env = {"CLIPSTREAM_GRPC_PROT": "1", "CLIPSTREAM_HOME": "x", "CLIPSTREAM_CONFIG": "y", "CLIPSTREAM_ZZZ": "z",
+           "OTHER": "1"}
+    assert unknown_variables(env) == [("CLIPSTREAM_GRPC_PROT", "CLIPSTREAM_GRPC_PORT"), ("CLIPSTREAM_ZZZ", None)]
+    monkeypatch.setenv("CLIPSTREAM_STREM", "news")
+    assert main(["config", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "clipstream: warning: CLIPSTREAM_STREM is not a setting, ignored (did you mean CLIPSTREAM_STREAM?)" \
+        in captured.err
+    found = json.loads(captured.out)
+    assert found["unknown_variables"] == [{"variable": "CLIPSTREAM_STREM", "did_you_mean": "CLIPSTREAM_STREAM"}]
+    assert next(r for r in found["settings"] if r["setting"] == "stream")["value"] == "clipstream"  # ignored
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("state lives under ") and "CLIPSTREAM_HOME to keep one" in out
