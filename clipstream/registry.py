@@ -26,6 +26,7 @@ from typing import Iterator, Optional
 
 import mlflow
 import mlflow.pyfunc
+import numpy as np
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
@@ -228,10 +229,13 @@ class Registry:
                 "image_tower": manifest.get("image_tower") or ""}
         with tempfile.TemporaryDirectory() as staging:
             model = Path(staging) / MODEL
+            config = json.loads((Path(checkpoint) / models.CONFIG_FILE).read_text())
             mlflow.pyfunc.save_model(str(model), python_model=str(Path(__file__).with_name("mlflow_model.py")),
                                      artifacts={ARTIFACT: str(checkpoint)},
                                      code_paths=[_own_code(Path(staging) / "code")],
-                                     pip_requirements=pyfunc_requirements())
+                                     pip_requirements=pyfunc_requirements(),
+                                     signature=pyfunc_signature(int(config["model_cfg"]["embed_dim"])),
+                                     input_example=pyfunc_input_example())
             self.client.log_artifacts(run_id, str(model), MODEL)
         try:
             self.client.create_registered_model(self.name)
@@ -549,6 +553,28 @@ def pyfunc_requirements() -> list[str]:
     from importlib.metadata import version
 
     return [f"{name}=={version(name).split('+')[0]}" for name in PYFUNC_DISTRIBUTIONS]
+
+
+def pyfunc_signature(embed_dim: int):
+    """Optional `text` (string) and `image` (binary) columns in; a float32 vector of `embed_dim` per row out."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import ColSpec, Schema, TensorSpec
+
+    return ModelSignature(inputs=Schema([ColSpec("string", "text", required=False),
+                                         ColSpec("binary", "image", required=False)]),
+                          outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, embed_dim))]))
+
+
+def pyfunc_input_example():
+    """One caption and one small PNG, the two kinds of row."""
+    import io
+
+    import pandas as pd
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 40, 40)).save(png, format="PNG")
+    return pd.DataFrame({"text": ["a photo of a red cup", None], "image": [None, png.getvalue()]})
 
 
 def _own_code(staging: Path) -> str:

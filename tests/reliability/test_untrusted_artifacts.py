@@ -79,7 +79,7 @@ def test_the_registered_pyfunc_brings_its_own_code_and_pins_only_public_dependen
     assert not (code / "benchmarks").exists()
     # and it loads as a stock pyfunc in a fresh process
     script = (f"import mlflow; m = mlflow.pyfunc.load_model({f'models:/{settings.stream}/{version}'!r}); "
-              "print(len(m.predict(['a red cube'])[0]))")
+              "import pandas as pd; print(len(m.predict(pd.DataFrame({'text': ['a red cube']}))[0]))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "MLFLOW_TRACKING_URI": settings.mlflow_tracking_uri})
     assert out.stdout.strip().splitlines()[-1] == "64", out.stderr[-2000:]
