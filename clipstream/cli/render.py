@@ -54,9 +54,18 @@ def print_result(result) -> None:
     print("\ntask-known Rm, R[i][j] = after task i, on task j:\n" + result.known.format_table())
     print("\ntask-unknown Rm:\n" + result.unknown.format_table())
     if result.zero_shot:
-        print(f"\nzero-shot (held-out tasks, never trained on) Rm: {result.zero_shot[-1]:.2f}, "
-              f"drop since the first version evaluated on them: {result.zero_shot[0] - result.zero_shot[-1]:+.2f}")
+        print("\n" + zero_shot_line(result.zero_shot))
     print(f"\nheatmap: {result.heatmap}")
+
+
+def zero_shot_line(history: list[float]) -> str:
+    """The held-out tasks' Rm now, and which way it moved since the first version evaluated on them (a rise is not
+    a "drop" with a sign to decode)."""
+    first, last = history[0], history[-1]
+    moved = "unchanged" if abs(last - first) < 0.005 else f"{'up' if last > first else 'down'} {abs(last - first):.2f}"
+    return (f"zero-shot (held-out tasks, never trained on) Rm: {last:.2f}, {moved} from {first:.2f} (the first "
+            "version evaluated on them)" if len(history) > 1 else
+            f"zero-shot (held-out tasks, never trained on) Rm: {last:.2f} (the baseline later versions move from)")
 
 
 def print_registered(result) -> None:

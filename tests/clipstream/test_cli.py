@@ -427,3 +427,13 @@ def test_help_loads_neither_torch_nor_deepspeed_nor_ray_and_prints_nothing_of_th
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
     assert "WARNING" not in done.stderr
+
+
+@pytest.mark.parametrize("history, says", [
+    ([17.31, 34.24], "Rm: 34.24, up 16.93 from 17.31 (the first version evaluated on them)"),
+    ([50.0, 38.3], "Rm: 38.30, down 11.70 from 50.00"), ([40.0, 40.0], "Rm: 40.00, unchanged from 40.00"),
+    ([40.0], "Rm: 40.00 (the baseline later versions move from)")])
+def test_the_zero_shot_line_says_which_way_the_score_moved(history, says):
+    from clipstream.cli.render import zero_shot_line
+
+    assert says in zero_shot_line(history)
