@@ -342,6 +342,8 @@ def _check_data(plan: Plan) -> None:
     """The task's rows plus what the method adds (joint: the earlier tasks; ER: its buffer, written as a
     task into the workdir), each checked; the plan must fill at least one step on every worker."""
     train = plan.config["train"]
+    # the evaluation after training ranks the task's test pairs: a task without them is refused now, not after the job
+    _task_of(plan.current).split("test")
     for entry in [plan.current, *plan.method.extra_tasks(plan.current, plan.history, str(plan.workdir))]:
         source = _task_of(entry)
         check = source.check("train", train["on_bad_image"])

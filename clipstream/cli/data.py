@@ -26,6 +26,7 @@ def _check(args) -> None:
     from clipstream.training.data.task import Task
 
     task = Task.load(args.task)
+    task.split("test")  # what training evaluates on: a task without it is refused before its job, so here too
     for split in task.splits:
         check = task.check(split, args.on_bad_image)
         print(f"{task.name} {split}: {len(check.rows)} rows ok, {len(check.skipped)} skipped")

@@ -101,6 +101,25 @@ def test_corrupt_image_is_reported_with_file_and_row(tmp_path, stream, capsys, s
     assert "1 skipped" in out and "train.jsonl:1: corrupt image" in out
 
 
+def test_a_task_without_a_test_split_is_refused_by_data_check_and_before_training(tmp_path, stream, capsys, settings):
+    """Training evaluates every task on its test pairs: without them the job used to fail after training."""
+    import shutil
+
+    import yaml
+
+    task = shutil.copytree(stream[0], tmp_path / "task")
+    meta = yaml.safe_load((task / "task.yaml").read_text())
+    del meta["splits"]["test"]
+    (task / "task.yaml").write_text(yaml.safe_dump(meta))
+    for argv in (["data", "check", "--task", str(task)], ["train", "--task", str(task), "--workers", "1"]):
+        assert main(argv) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if "log to" not in line]
+        assert len(err) == 1 and "has no split 'test' (has ['train']): training evaluates every task" in err[0], err
+    from clipstream.registry import Registry
+
+    assert Registry(settings).versions() == []  # nothing trained, nothing registered
+
+
 @pytest.mark.parametrize("source, message", [
     ("ViT-B-99:openai", "unknown architecture 'ViT-B-99'; close ones: ViT-B-32"),
     ("ViT-B-32:laion9b_nope", "'laion9b_nope' is neither a checkpoint file nor a pretrained tag of ViT-B-32"),

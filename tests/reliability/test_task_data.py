@@ -39,12 +39,19 @@ def make_task(root: Path, fmt: str = "jsonl") -> Path:
     (root / "images").mkdir(parents=True)
     for k, row in enumerate(rows):
         (root / row["image"]).write_bytes(png(colour=(60 * k, 30, 30)))
-    if fmt == "jsonl":
-        (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    else:
-        (root / "train.csv").write_text("id,image,caption\n" + "".join(f"{r['id']},{r['image']},{r['caption']}\n"
-                                                                      for r in rows))
-    (root / "task.yaml").write_text(yaml.safe_dump({"name": "t", "kind": "domain", "splits": {"train": f"train.{fmt}"}}))
+    # and a test split of its own files (what a test here breaks is in train)
+    tests = [{"id": f"t{k}", "image": f"test-images/{k}.png", "caption": f"a test picture {k}"} for k in range(2)]
+    (root / "test-images").mkdir()
+    for k, row in enumerate(tests):
+        (root / row["image"]).write_bytes(png(colour=(30, 60 * k, 30)))
+    for split, split_rows in (("train", rows), ("test", tests)):
+        if fmt == "jsonl":
+            (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in split_rows))
+        else:
+            (root / f"{split}.csv").write_text("id,image,caption\n" + "".join(
+                f"{r['id']},{r['image']},{r['caption']}\n" for r in split_rows))
+    (root / "task.yaml").write_text(yaml.safe_dump({"name": "t", "kind": "domain",
+                                                    "splits": {"train": f"train.{fmt}", "test": f"test.{fmt}"}}))
     return root
 
 
@@ -194,7 +201,7 @@ def test_a_one_pixel_image_is_valid_input(tmp_path, capsys):
     (root / "images/1.png").write_bytes(png(1))
     check(capsys, root, 0)
     assert main(["data", "check", "--task", str(root)]) == 0
-    assert capsys.readouterr().out == "t train: 3 rows ok, 0 skipped\n"
+    assert capsys.readouterr().out == "t test: 2 rows ok, 0 skipped\nt train: 3 rows ok, 0 skipped\n"
 
 
 def test_under_skip_bad_images_are_skipped_but_paths_out_are_not(tmp_path, capsys):

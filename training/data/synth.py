@@ -481,7 +481,7 @@ def synthesize_languages(out: str | Path, languages: int, seed: int = 0, *, imag
             meta = {"name": tdir.name, "kind": "language", "lang": lang.code, "index": i,
                     "description": f"{said} of the same '{name}' images as every language task.",
                     "splits": {"train": "train.jsonl", "test": "test.jsonl"}, "classes": list(classes),
-                    "script": lang.script, "word_order": "reversed" if lang.reversed else "forward"}
+                    "metadata": {"script": lang.script, "word_order": "reversed" if lang.reversed else "forward"}}
             _write_task(tdir, meta, pairs, bar, lang)
             dirs.append(tdir)
     return dirs

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import codecs
 import csv
+import difflib
 import glob
 import hashlib
 import io
@@ -48,6 +49,8 @@ from PIL import Image
 BadImagePolicy = Literal["fail", "skip"]
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
 KINDS = ("domain", "language")
+# task.yaml's keys: a typo (`knd: language`) is refused, not read as the default; `metadata` holds anything else
+TASK_KEYS = ("name", "kind", "splits", "index", "description", "lang", "classes", "templates", "held_out", "metadata")
 NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # and no ".." (see Task.load)
 TEXT_FIELDS = ("id", "image", "caption", "caption_en", "label", "lang")
 CONTROL_CHARS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # C0 controls and DEL; tab is allowed
@@ -120,6 +123,12 @@ class Task:
             raise DataError(f"{where}: not valid YAML: {_one_line(getattr(exc, 'problem', None) or exc)}") from exc
         if not isinstance(meta, dict):
             raise DataError(f"{manifest}: expected a mapping, got {type(meta).__name__}")
+        unknown = [key for key in meta if key not in TASK_KEYS]
+        if unknown:
+            key = str(unknown[0])
+            near = difflib.get_close_matches(key, TASK_KEYS, n=1)
+            raise DataError(f"{manifest}: unknown key {key!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+                            + f"; task.yaml takes {', '.join(TASK_KEYS)} (free-form notes go under `metadata`)")
         for key in ("name", "splits"):
             if key not in meta:
                 raise DataError(f"{manifest}: missing required key {key!r}")
@@ -151,7 +160,9 @@ class Task:
 
     def split(self, name: str) -> Split:
         if name not in self.splits:
-            raise DataError(f"{self.root / 'task.yaml'}: task {self.name!r} has no split {name!r} (has {sorted(self.splits)})")
+            why = ": training evaluates every task on its test pairs (add a test split to task.yaml)" * (name == "test")
+            raise DataError(f"{self.root / 'task.yaml'}: task {self.name!r} has no split {name!r} (has "
+                            f"{sorted(self.splits)}){why}")
         return self.splits[name]
 
     def check(self, split: str, on_bad_image: BadImagePolicy = "fail") -> Check:

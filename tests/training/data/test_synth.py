@@ -352,7 +352,7 @@ def test_word_maps_are_bijections_with_shared_loanwords_and_some_reversed_order(
         assert all(mapping[w] != w for w in grammar), "function words map too"
         kept = {w for w, said in mapping.items() if said == w} - {","}
         assert kept <= content and not {mapping[w] for w in english - kept - {","}} & english  # no false friends
-        assert _meta(tdir)["word_order"] == ("reversed" if reverse else "forward")
+        assert _meta(tdir)["metadata"]["word_order"] == ("reversed" if reverse else "forward")
         loans.append(kept)
     assert all(kept == loans[0] for kept in loans), "loanwords are spelled alike in every language"
     assert 0.1 <= len(loans[0]) / len(content) <= 0.2
@@ -365,7 +365,7 @@ def _pieces(words) -> set[str]:
 
 def test_languages_of_one_script_share_subword_pieces_others_only_loanwords(langs):
     maps = [_word_map(_all_rows(t))[0] for t in langs[1:]]
-    scripts = [_meta(t)["script"] for t in langs[1:]]
+    scripts = [_meta(t)["metadata"]["script"] for t in langs[1:]]
     own = [{said for w, said in m.items() if said != w} for m in maps]  # the pseudo-words
     assert len(set(scripts)) >= 2 and any(scripts.count(s) >= 2 for s in scripts)
     assert any(re.search(r"[^\x00-\x7f]", "".join(words)) for words in own)  # a script of accented letters

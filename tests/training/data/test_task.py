@@ -129,6 +129,16 @@ def test_missing_required_key(tmp_path, key):
     raises([root / "task.yaml", f"missing required key {key!r}"], Task.load, root)
 
 
+@pytest.mark.parametrize("key, hint", [("knd", " (did you mean 'kind'?)"), ("split", " (did you mean 'splits'?)"),
+                                       ("owner", "")])
+def test_an_unknown_key_is_refused_with_the_closest_one(tmp_path, key, hint):
+    """A typo is not read as the default (`knd: language` used to train as a domain task)."""
+    root = make_task(tmp_path / "t", meta={key: "language"})
+    raises([root / "task.yaml", f"unknown key {key!r}{hint}; task.yaml takes name, kind, splits"], Task.load, root)
+    make_task(root, meta={"metadata": {"owner": "vision team", "license": "CC-BY-4.0"}})
+    assert Task.load(root).meta["metadata"]["owner"] == "vision team"  # free-form notes have their own key
+
+
 def test_bad_kind(tmp_path):
     root = make_task(tmp_path / "t", kind="vibes")
     raises([root / "task.yaml", "kind", "'vibes'"], Task.load, root)
