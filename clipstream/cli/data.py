@@ -32,3 +32,18 @@ def _check(args) -> None:
         print(f"{task.name} {split}: {len(check.rows)} rows ok, {len(check.skipped)} skipped")
         for line in check.skipped:
             print(f"  skipped {line}")
+
+
+def _import(args) -> None:
+    from pathlib import Path
+
+    from clipstream.training.data.importers import import_task, read_pairs
+
+    source, out = Path(args.source), Path(args.out)
+    pairs = read_pairs(args.format, source, Path(args.image_root) if args.image_root else None, args.img_key,
+                       args.caption_key, args.separator)
+    task = import_task(pairs, out, args.name or out.name, split=args.split, test_fraction=args.test_fraction,
+                       seed=args.seed, kind="language" if args.lang else "domain", lang=args.lang,
+                       description=f"imported from {source} ({args.format})")
+    counts = ", ".join(f"{split} {len(task.check(split).rows)}" for split in task.splits)
+    print(f"{out}: task {task.name!r}, pairs {counts}")

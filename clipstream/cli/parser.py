@@ -115,6 +115,26 @@ def parser() -> argparse.ArgumentParser:
     synth.add_argument("--no-digits", action="store_true", help="leave out the handwritten-digits task")
     synth.add_argument("--no-held-out", action="store_true", help="leave out the held-out zero-shot task")
     synth.set_defaults(func=data._synth)
+    im = ds.add_parser("import", help="write a task directory from CSV/TSV (open_clip's), JSONL, parquet, COCO "
+                       "captions or Karpathy splits")
+    im.add_argument("format", choices=("csv", "tsv", "jsonl", "parquet", "coco", "karpathy"))
+    im.add_argument("source", help="the file: a CSV/TSV/JSONL/parquet table, a COCO captions or Karpathy JSON")
+    im.add_argument("--out", required=True, metavar="DIR", help="the new task directory (new or empty)")
+    im.add_argument("--name", help="the task's name (default: the folder's name)")
+    im.add_argument("--image-root", metavar="DIR",
+                    help="where relative image paths start (default: the source's folder)")
+    im.add_argument("--img-key", help="the image column (open_clip's --csv-img-key; default filepath for CSV/TSV, "
+                    "image otherwise)")
+    im.add_argument("--caption-key", help="the caption column (open_clip's --csv-caption-key; default title for "
+                    "CSV/TSV, caption otherwise)")
+    im.add_argument("--separator", help="CSV/TSV separator (default: tab for tsv; for csv the header's own)")
+    im.add_argument("--split", help="put every pair in this split (default: the source's splits, else a seeded "
+                    "--test-fraction of the images to test)")
+    im.add_argument("--test-fraction", type=float, default=0.1, help="share of the images held out as test")
+    im.add_argument("--seed", type=int, default=0, help="the random split's seed")
+    im.add_argument("--lang", help="the captions' language (a language task)")
+    im.set_defaults(func=data._import)
+
     check = ds.add_parser("check", help="validate a task directory")
     check.add_argument("--task", required=True, metavar="DIR", help="a task folder (task.yaml, splits, images)")
     check.add_argument("--on-bad-image", choices=("fail", "skip"), default="fail",
