@@ -44,6 +44,7 @@ from pathlib import Path, PurePosixPath
 from typing import Iterator, Literal, Optional
 
 import yaml
+from braceexpand import braceexpand
 from PIL import Image
 
 BadImagePolicy = Literal["fail", "skip"]
@@ -355,14 +356,18 @@ def _split(manifest: Path, name: str, spec) -> Split:
     if not isinstance(pattern, str):
         raise DataError(f"{manifest}: split {name!r}: expected a file name or pattern, got {type(pattern).__name__}")
     root = manifest.parent
-    reason = _climbs_out(pattern, _local(root) is not None)
-    if reason:  # before matching: what lies outside is never listed
-        raise UnsafePath(f"{manifest}: split {name!r}: pattern {pattern!r} leaves the task directory {root}: {reason}; "
-                         "split files are given relative to the task directory and stay inside it")
+    # WebDataset's brace ranges (`shards/{000..099}.tar`, `{a,b}`), expanded as webdataset does, then globbed
+    patterns = list(braceexpand(pattern))
+    for each in patterns:
+        reason = _climbs_out(each, _local(root) is not None)
+        if reason:  # before matching: what lies outside is never listed
+            raise UnsafePath(f"{manifest}: split {name!r}: pattern {pattern!r} leaves the task directory {root}: "
+                             f"{reason}; split files are given relative to the task directory and stay inside it")
     if isinstance(manifest, Path):
-        files = tuple(Path(p) for p in sorted(glob.glob(str(root / pattern))))
+        found = {Path(p) for each in patterns for p in glob.glob(str(root / each))}
     else:
-        files = tuple(sorted(root.glob(pattern), key=str))
+        found = {p for each in patterns for p in root.glob(each)}
+    files = tuple(sorted(found, key=str))
     local = _local(root)
     if local is not None:  # a match may still be a symlink out
         for f in files:

@@ -360,6 +360,19 @@ def test_webdataset_shard_read_with_ids_and_captions(tmp_path):
     assert got["a0"]["image_bytes"] == png_bytes(0)
 
 
+def test_webdataset_brace_ranges_name_shards_as_webdataset_does(tmp_path):
+    root = tmp_path / "w"
+    shards = [write_shard(root / f"shards/{k:03d}.tar", [(f"s{k}", png_bytes(k), {"txt": f"shard {k}".encode()})])
+              for k in range(4)]
+    (root / "task.yaml").write_text(yaml.safe_dump({"name": "w", "splits": {"train": "shards/{000..002}.tar",
+                                                                           "test": "shards/{003,003}.tar"}}))
+    task = Task.load(root)
+    assert task.split("train").files == tuple(shards[:3]) and task.split("test").files == (shards[3],)
+    assert sorted(r["caption"] for r in task.check("train").rows) == ["shard 0", "shard 1", "shard 2"]
+    (root / "task.yaml").write_text(yaml.safe_dump({"name": "w", "splits": {"train": "{shards,../x}/000.tar"}}))
+    raises([root / "task.yaml", "leaves the task directory"], Task.load, root)  # every expansion stays inside
+
+
 def test_webdataset_corrupt_image_and_missing_caption(tmp_path):
     root = tmp_path / "w"
     shard = write_shard(root / "train.tar", [
