@@ -10,17 +10,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "README.md", "clipstream", "training", "services", "benchmarks")
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "protos", "clipstream", "training", "services", "benchmarks")
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    """The wheel built from a copy of the sources (so the build leaves nothing in the checkout)."""
+    """The wheel built from a copy of the sources as a clean checkout has them (so the build leaves nothing in the
+    checkout): without the gRPC stubs `make` generates, which the build itself must make."""
     src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("dist")
     for name in SOURCES:
         copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
-        copy(ROOT / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__", "results")}
+        copy(ROOT / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__", "results", "*_pb2*")}
                                        if (ROOT / name).is_dir() else {}))
+    assert not list((src / "clipstream" / "v1").glob("*_pb2*"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
                     str(src)], check=True, capture_output=True)
     return next(out.glob("clipstream-*.whl"))
@@ -35,7 +37,8 @@ def test_the_wheel_has_clipstream_as_its_only_top_level_package(wheel):
         expected = {f"{package}/{p.relative_to(ROOT / folder).as_posix()}" for p in (ROOT / folder).rglob("*.py")}
         assert expected <= set(names), f"{folder}/ is not fully in the wheel: {sorted(expected - set(names))[:3]}"
     for data in ("clipstream/model_configs/clipstream-vit-tiny.json", "clipstream/training/methods/presets.yaml",
-                 "clipstream/v1/encoder_pb2.py", "clipstream/v1/search_pb2_grpc.py", "clipstream/mlflow_model.py",
+                 "clipstream/v1/encoder_pb2.py", "clipstream/v1/search_pb2_grpc.py", "clipstream/v1/admin_pb2.pyi",
+                 "clipstream/mlflow_model.py",
                  "clipstream/cli/__main__.py", "clipstream/cli/render.py", "clipstream/runtime.py"):
         assert data in names
     assert not [n for n in names if "/results/" in n or n.startswith("tests/")]
