@@ -16,6 +16,7 @@ BENCHMARKS = {
     "reliability": "reliability",  # serving under load and faults; every fault and bad input with its outcome
     "stream-growth": "stream_growth",  # wall, step, memory and evaluation time per task as the stream grows
     "first-run": "first_run",  # `clipstream demo` as a new user sees it: time, lines printed, processes left
+    "data-check": "data_check",  # a task's images checked and hashed before a job, against a plain loop
     "cli-startup": "cli_startup",  # `clipstream --help`, `--version`, a command's --help: seconds to answer
     "gpu": "gpu",  # bf16 DeepSpeed training throughput, MFU and encoder images/s on a GPU (skipped without one)
 }

@@ -56,6 +56,7 @@ PLAN: dict[str, tuple[str, list[str], list[str]]] = {
                           "--extra-arch", "ViT-B-32", "--extra-sizes", "100000"],
                ["--sizes", "10000", "--append-sizes", "", "--uniform-size", "0", "--rpc-size", "0", "--queries", "100"]),
     "indexing": ("indexing", [], ["--pairs", "256", "--rounds", "1", "--tasks", "1,2", "--task-pairs", "64"]),
+    "data-check": ("data-check", [], ["--images", "300", "--rounds", "1"]),
     "cli-startup": ("cli-startup", [], ["--rounds", "2"]),
     "gpu": ("gpu", [], []),
 }
