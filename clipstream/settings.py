@@ -8,6 +8,7 @@ a YAML file (`CLIPSTREAM_CONFIG` or `./clipstream.yaml`), then the embedded defa
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 from pathlib import Path
@@ -85,6 +86,9 @@ class Settings(BaseSettings):
     runs_dir: Optional[str] = Field(None, description="Ray Train storage (checkpoints, the inputs a job shares with "
                                     "its workers): a folder every node mounts, or a URI Ray Train's pyarrow opens "
                                     "(s3://bucket/runs, gs://, file://); default HOME/runs")
+    image_roots: list[str] = Field(default_factory=list, description="folders and URI prefixes (s3://bucket/imgs) "
+                                   "outside a task that its rows may name images in by absolute path or URI: none by "
+                                   "default (a task's paths stay inside it); a JSON list in CLIPSTREAM_IMAGE_ROOTS")
     presets: Optional[Path] = Field(None, description="a YAML file of your own method presets, added to the "
                                     "shipped ones (same format; inherit_from may name shipped presets)")
     promote_max_forgetting: float = Field(25.0, description="a candidate's task-known mean forgetting (R points) may not exceed this")
@@ -185,7 +189,8 @@ class Settings(BaseSettings):
         out = {}
         for name, value in self.model_dump().items():
             if value is not None:
-                out[f"CLIPSTREAM_{name.upper()}"] = value.get_secret_value() if isinstance(value, SecretStr) else str(value)
+                out[f"CLIPSTREAM_{name.upper()}"] = (value.get_secret_value() if isinstance(value, SecretStr) else
+                                                     json.dumps(value) if isinstance(value, list) else str(value))
         return out
 
 

@@ -234,3 +234,11 @@ def test_an_unknown_clipstream_variable_is_named_with_the_closest_setting(monkey
     assert main(["config"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("state lives under ") and "CLIPSTREAM_HOME to keep one" in out
+
+
+def test_a_list_setting_reaches_a_child_process_as_json(monkeypatch):
+    """`Settings.env()` is how Ray workers see the driver's settings: a list must parse back (not a Python repr)."""
+    env = Settings(image_roots=["/data/images", "s3://bucket/imgs"]).env()
+    assert env["CLIPSTREAM_IMAGE_ROOTS"] == '["/data/images", "s3://bucket/imgs"]'
+    monkeypatch.setenv("CLIPSTREAM_IMAGE_ROOTS", env["CLIPSTREAM_IMAGE_ROOTS"])
+    assert Settings().image_roots == ["/data/images", "s3://bucket/imgs"]

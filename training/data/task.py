@@ -31,6 +31,7 @@ from __future__ import annotations
 import codecs
 import csv
 import difflib
+import functools
 import glob
 import hashlib
 import io
@@ -317,6 +318,9 @@ def _inside(root: str | Path, rel: str, what: str):
     base = location(root)
     if CONTROL_CHARS.search(rel):
         raise DataError(f"{what} path {rel!r} contains a control character; rename the file")
+    outside = _under_allowed_root(rel) if what == "image" else None
+    if outside is not None:
+        return outside
     local = _local(base)
     reason = _climbs_out(rel, local is not None)
     if reason is None and local is not None:
@@ -326,9 +330,42 @@ def _inside(root: str | Path, rel: str, what: str):
         except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError before Python 3.13)
             raise DataError(f"{what} path {rel!r} cannot be resolved: {exc}") from exc
     if reason:
+        allow = ("; or allow the folder it is in with CLIPSTREAM_IMAGE_ROOTS (Settings image_roots)"
+                 if what == "image" and reason in ("it is absolute", "it is a URI") else "")
         raise UnsafePath(f"{what} path {rel!r} leaves the task directory {base}: {reason}; paths in a task are "
-                         "relative to its directory and stay inside it")
+                         f"relative to its directory and stay inside it{allow}")
     return base / rel
+
+
+def image_roots() -> tuple[str, ...]:
+    """Where outside a task its rows may name images (Settings image_roots): none unless the user allows some."""
+    return _image_roots(os.environ.get("CLIPSTREAM_IMAGE_ROOTS"), os.environ.get("CLIPSTREAM_CONFIG"))
+
+
+@functools.lru_cache(maxsize=8)
+def _image_roots(variable: Optional[str], config: Optional[str]) -> tuple[str, ...]:  # (keyed by what Settings reads)
+    from clipstream.settings import Settings
+
+    return tuple(Settings().image_roots)
+
+
+def _under_allowed_root(rel: str):
+    """The image at absolute path or URI `rel` when it lies under an allowed root (a local path: after resolving
+    its symlinks, so a link inside a root that points out of it is still out), else None."""
+    if not ("://" in rel or PurePosixPath(rel).is_absolute()):
+        return None
+    for root in image_roots():
+        if "://" in root or "://" in rel:
+            prefix = root.rstrip("/") + "/"
+            if rel.startswith(prefix) and ".." not in PurePosixPath(rel[len(prefix):]).parts:
+                return location(rel)
+        else:
+            try:
+                if Path(rel).resolve().is_relative_to(Path(root).resolve()):
+                    return Path(rel)
+            except (OSError, RuntimeError):
+                return None
+    return None
 
 
 def _local(base) -> Optional[Path]:

@@ -821,3 +821,30 @@ def test_images_checked_and_hashed_on_threads_give_what_one_loop_gives(tmp_path,
     raises([f"{root / 'train.jsonl'}:18: corrupt image"], Task.load(root).check, "train")
     skipped = Task.load(root).check("train", "skip")
     assert len(skipped.rows) == 58 and skipped.skipped_ids == {"train-17", "train-41"}
+
+
+def test_images_outside_the_task_only_under_roots_the_user_allows(tmp_path, monkeypatch):
+    """A row may name an image by absolute path or URI only under a root in CLIPSTREAM_IMAGE_ROOTS (none by default):
+    a dataset kept where it is, a link in it that points out still refused, a neighbour with a common prefix too."""
+    monkeypatch.delenv("CLIPSTREAM_IMAGE_ROOTS", raising=False)
+    dataset = tmp_path / "dataset"
+    dataset.mkdir()
+    (dataset / "a.png").write_bytes(png_bytes(0))
+    (tmp_path / "dataset2").mkdir()
+    (tmp_path / "dataset2" / "b.png").write_bytes(png_bytes(1))
+    (tmp_path / "secret.png").write_bytes(png_bytes(2))
+    (dataset / "link.png").symlink_to(tmp_path / "secret.png")
+    rows = [{"id": "r0", "image": str(dataset / "a.png"), "caption": "outside"},
+            {"id": "r1", "image": f"file://{dataset}/a.png", "caption": "by URI"}]
+    root = make_task(tmp_path / "t", {"train": rows, "test": default_rows(2, "test")})
+    raises(["image path", "it is absolute", "allow the folder it is in with CLIPSTREAM_IMAGE_ROOTS"],
+           Task.load(root).check, "train")
+
+    monkeypatch.setenv("CLIPSTREAM_IMAGE_ROOTS", json.dumps([str(dataset), f"file://{dataset}"]))
+    task = Task.load(root)
+    assert [r["id"] for r in task.check("train").rows] == ["r0", "r1"]
+    assert task.image(rows[0]) == dataset / "a.png" and task.image(rows[1]) == png_bytes(0)
+    for image in (str(dataset / "link.png"), str(tmp_path / "dataset2" / "b.png"),
+                  f"file://{dataset}/../secret.png"):
+        make_task(root, {"train": [{"id": "x", "image": image, "caption": "out"}], "test": default_rows(2, "test")})
+        raises(["image path", "leaves the task directory"], Task.load(root).check, "train")
