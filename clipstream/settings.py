@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     qdrant_api_key_file: Optional[Path] = Field(None, description="a file holding the Qdrant API key (a mounted Secret)")
     ray_address: Optional[str] = Field(None, description="None starts a local Ray; 'auto' or ray://host:port joins a cluster")
     grpc_port: int = Field(9000, ge=1, le=65535)
+    server: Optional[str] = Field(None, description="the server clients and the CLI's service commands call: "
+                                  "grpc://HOST:PORT, grpcs://HOST:PORT (TLS) or HOST:PORT; default 127.0.0.1 and "
+                                  "grpc_port")
     grpc_host: str = Field("127.0.0.1", description="the interface `clipstream serve` listens on: loopback by default; "
                            "0.0.0.0 or :: for all, which needs an API key (or grpc_allow_unauthenticated)")
     grpc_allow_unauthenticated: bool = Field(False, description="listen on a non-loopback grpc_host without an API key "

@@ -48,9 +48,85 @@ def channel(address: str, *, tls: bool = False, ca_file: Optional[str | Path] = 
     return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=roots), options=options)
 
 
+class RpcError(grpc.RpcError):
+    """A clipstream RPC that failed: `code()` and `details()` as grpc.RpcError's (it is one), `exc.status` the
+    grpc.StatusCode; a subclass per status a caller acts on differently."""
+
+    def __init__(self, status: grpc.StatusCode, details: str):
+        super().__init__(f"{status.name}: {details}")
+        self.status, self._details = status, details
+
+    def code(self) -> grpc.StatusCode:
+        return self.status
+
+    def details(self) -> str:
+        return self._details
+
+
+class InvalidArgument(RpcError):
+    """The request itself is wrong (a bad input, a too-large item): fix it, do not retry."""
+
+
+class NotFound(RpcError):
+    """A task, version or service the server does not have."""
+
+
+class FailedPrecondition(RpcError):
+    """The server cannot do it in its present state (no production version, a language a version was not taught)."""
+
+
+class Unauthenticated(RpcError):
+    """No API key, or a wrong one (Settings api_key)."""
+
+
+class Unavailable(RpcError):
+    """No server answered, or it stayed unavailable through the retries: check the address, or try later."""
+
+
+class DeadlineExceeded(RpcError):
+    """No answer within the client's timeout."""
+
+
+class ResourceExhausted(RpcError):
+    """Too much at once (a request over the server's size limit)."""
+
+
+TYPED = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.NOT_FOUND: NotFound,
+         grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition, grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+         grpc.StatusCode.PERMISSION_DENIED: Unauthenticated, grpc.StatusCode.UNAVAILABLE: Unavailable,
+         grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted}
+
+
+def typed(exc: grpc.RpcError) -> RpcError:
+    """The typed exception of a raw gRPC error (RpcError itself for a status without its own class)."""
+    status = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+    return TYPED.get(status, RpcError)(status, details or "")
+
+
+def parse_address(uri: str) -> tuple[str, bool]:
+    """(HOST:PORT, tls) of `grpc://HOST:PORT`, `grpcs://HOST:PORT` (TLS) or a bare HOST:PORT (plaintext)."""
+    for scheme, tls in (("grpcs://", True), ("grpc://", False)):
+        if uri.startswith(scheme):
+            uri = uri[len(scheme):]
+            break
+    else:
+        if "://" in uri:
+            raise ValueError(f"server address {uri!r}: use grpc://HOST:PORT, grpcs://HOST:PORT (TLS) or HOST:PORT")
+        tls = False
+    host, _, port = uri.rstrip("/").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"server address {uri!r}: expected HOST:PORT")
+    return f"{host}:{port}", tls
+
+
 class Client:
     def __init__(self, address: str = "127.0.0.1:9000", *, api_key: Optional[str] = None, timeout_s: float = 30.0,
                  retries: int = 4, tls: bool = False, ca_file: Optional[str | Path] = None):
+        """`address`: HOST:PORT, or grpc://HOST:PORT / grpcs://HOST:PORT (the latter speaks TLS)."""
+        address, uri_tls = parse_address(address)
+        tls = tls or uri_tls
+        self.address = address
         self.channel = channel(address, tls=tls, ca_file=ca_file, retries=retries)
         self.encoder = encoder_pb2_grpc.EncoderStub(self.channel)
         self.searcher = search_pb2_grpc.SearchStub(self.channel)
@@ -130,8 +206,21 @@ class Client:
                                "retry, or pin model_version")
         return np.concatenate(vectors), versions.pop()
 
+    @classmethod
+    def from_env(cls, **options) -> "Client":
+        """A client configured as this machine's settings say (CLIPSTREAM_* variables, the settings file): the
+        server at Settings `server` (default grpc://127.0.0.1:<grpc_port>), its API key, TLS roots."""
+        from clipstream.settings import Settings
+
+        settings = Settings()
+        return cls(settings.server or f"grpc://127.0.0.1:{settings.grpc_port}", api_key=settings.secret("api_key"),
+                   tls=settings.tls, ca_file=settings.tls_ca_file or settings.tls_cert_file, **options)
+
     def _call(self, method, request):
-        return method(request, timeout=self.timeout_s, metadata=self.metadata)
+        try:
+            return method(request, timeout=self.timeout_s, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            raise typed(exc) from exc
 
 
 def _chunks(items: list, count: int, max_bytes: int):

@@ -156,7 +156,8 @@ def parser() -> argparse.ArgumentParser:
         q.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
 
     def client_args(q):
-        q.add_argument("--address", help="HOST:PORT of the server (default 127.0.0.1 and the Settings port)")
+        q.add_argument("--address", help="the server: HOST:PORT, grpc://HOST:PORT or grpcs://HOST:PORT (TLS) "
+                       "(default: Settings server, else 127.0.0.1 and the Settings port)")
         q.add_argument("--tls", action="store_true", help="speak TLS, verifying the server against CLIPSTREAM_TLS_CA_FILE "
                        "(default: the system's roots; on when this machine's settings configure a certificate)")
 

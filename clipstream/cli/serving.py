@@ -38,9 +38,11 @@ def _client(args, **options):
     from clipstream.services.client import Client
 
     settings = Settings()
-    args.address = args.address or f"127.0.0.1:{settings.grpc_port}"  # what the command's output names
-    return Client(args.address, api_key=settings.secret("api_key"), tls=args.tls or settings.tls,
-                  ca_file=settings.tls_ca_file or settings.tls_cert_file, **options)
+    client = Client(args.address or settings.server or f"127.0.0.1:{settings.grpc_port}",
+                    api_key=settings.secret("api_key"), tls=args.tls or settings.tls,
+                    ca_file=settings.tls_ca_file or settings.tls_cert_file, **options)
+    args.address = client.address  # what the command's output names
+    return client
 
 
 def _status(args) -> None:

@@ -79,6 +79,46 @@ def test_client_does_not_retry_what_a_retry_cannot_fix():
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and server.attempts == 1
 
 
+@pytest.mark.parametrize("status, kind", [
+    (grpc.StatusCode.INVALID_ARGUMENT, "InvalidArgument"), (grpc.StatusCode.NOT_FOUND, "NotFound"),
+    (grpc.StatusCode.FAILED_PRECONDITION, "FailedPrecondition"), (grpc.StatusCode.UNAUTHENTICATED, "Unauthenticated"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "ResourceExhausted"), (grpc.StatusCode.INTERNAL, "RpcError")])
+def test_a_failed_call_raises_a_typed_exception_that_is_still_a_grpc_error(status, kind):
+    from clipstream.services import client as client_module
+
+    with FlakyHealth([status]) as server, Client(f"grpc://127.0.0.1:{server.port}", retries=0) as client:
+        with pytest.raises(client_module.RpcError) as err:
+            client.health()
+    assert type(err.value).__name__ == kind and isinstance(err.value, grpc.RpcError)
+    assert err.value.code() == status and err.value.details() == "not yet" and str(err.value) == f"{status.name}: not yet"
+
+
+@pytest.mark.parametrize("uri, expected", [("grpc://h.example:9000", ("h.example:9000", False)),
+                                           ("grpcs://h.example:443", ("h.example:443", True)),
+                                           ("127.0.0.1:9000", ("127.0.0.1:9000", False)),
+                                           ("grpc://[::1]:9000/", ("[::1]:9000", False))])
+def test_server_addresses_as_uris(uri, expected):
+    from clipstream.services.client import parse_address
+
+    assert parse_address(uri) == expected
+
+
+@pytest.mark.parametrize("uri", ["http://h:9000", "grpc://h", "h:port"])
+def test_a_bad_server_address_is_refused(uri):
+    from clipstream.services.client import parse_address
+
+    with pytest.raises(ValueError, match="server address"):
+        parse_address(uri)
+
+
+def test_from_env_calls_the_server_the_settings_name(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    with FlakyHealth([]) as server:
+        monkeypatch.setenv("CLIPSTREAM_SERVER", f"grpc://127.0.0.1:{server.port}")
+        with Client.from_env() as client:
+            assert client.address == f"127.0.0.1:{server.port}" and client.health() == "SERVING"
+
+
 def test_client_gives_up_on_a_port_nobody_listens_on():
     port = free_port()  # nothing listens here
     with pytest.raises(grpc.RpcError) as err, Client(f"127.0.0.1:{port}", timeout_s=30) as client:
