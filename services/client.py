@@ -4,6 +4,7 @@ service config, speaks TLS when asked, and returns numpy arrays."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -39,13 +40,16 @@ def service_config(retries: int) -> str:
                                          **({"retryPolicy": policy} if retries else {})}]})
 
 
-def channel(address: str, *, tls: bool = False, ca_file: Optional[str | Path] = None, retries: int = 4) -> grpc.Channel:
-    """A channel to a clipstream server: TLS verified against `ca_file` (PEM; default the system roots) when `tls`."""
+def channel(address: str, *, tls: bool = False, ca_file: Optional[str | Path] = None, retries: int = 4,
+            aio: bool = False):
+    """A channel to a clipstream server (grpc.aio's with `aio`): TLS verified against `ca_file` (PEM; default the
+    system roots) when `tls`."""
     options = [("grpc.service_config", service_config(retries)), ("grpc.enable_retries", int(retries > 0))]
+    kind = grpc.aio if aio else grpc
     if not tls:
-        return grpc.insecure_channel(address, options=options)
+        return kind.insecure_channel(address, options=options)
     roots = Path(ca_file).read_bytes() if ca_file else None
-    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=roots), options=options)
+    return kind.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=roots), options=options)
 
 
 class RpcError(grpc.RpcError):
@@ -120,14 +124,14 @@ def parse_address(uri: str) -> tuple[str, bool]:
     return f"{host}:{port}", tls
 
 
-class Client:
-    def __init__(self, address: str = "127.0.0.1:9000", *, api_key: Optional[str] = None, timeout_s: float = 30.0,
-                 retries: int = 4, tls: bool = False, ca_file: Optional[str | Path] = None):
-        """`address`: HOST:PORT, or grpc://HOST:PORT / grpcs://HOST:PORT (the latter speaks TLS)."""
+class _Calls:
+    """What both clients share: the address, the stubs on a channel, the request messages and the answers' shapes."""
+
+    def __init__(self, address: str, api_key: Optional[str], timeout_s: float, retries: int, tls: bool,
+                 ca_file: Optional[str | Path], aio: bool):
         address, uri_tls = parse_address(address)
-        tls = tls or uri_tls
         self.address = address
-        self.channel = channel(address, tls=tls, ca_file=ca_file, retries=retries)
+        self.channel = channel(address, tls=tls or uri_tls, ca_file=ca_file, retries=retries, aio=aio)
         self.encoder = encoder_pb2_grpc.EncoderStub(self.channel)
         self.searcher = search_pb2_grpc.SearchStub(self.channel)
         self.admin = admin_pb2_grpc.AdminStub(self.channel)
@@ -135,52 +139,109 @@ class Client:
         self.timeout_s = timeout_s
         self.metadata = ((API_KEY_HEADER, api_key),) if api_key else None
 
-    def encode_text(self, texts: Sequence[str], batch_size: int = 64, model_version: str = "",
-                    progress: Optional[bool] = None, language: str = "") -> tuple[np.ndarray, str]:
-        """(unit vectors [N, D], the version that made them); with `language`, refused (FAILED_PRECONDITION) by a
-        version not trained on it."""
-        return self._encode(list(texts), batch_size, progress, lambda chunk: self._call(
-            self.encoder.EncodeText, encoder_pb2.EncodeTextRequest(texts=chunk, model_version=model_version,
-                                                                   language=language)))
+    @classmethod
+    def from_env(cls, **options):
+        """A client configured as this machine's settings say (CLIPSTREAM_* variables, the settings file): the
+        server at Settings `server` (default grpc://127.0.0.1:<grpc_port>), its API key, TLS roots."""
+        from clipstream.settings import Settings
 
-    def encode_image(self, images: Sequence[str | Path | bytes], batch_size: int = 32, model_version: str = "",
-                     progress: Optional[bool] = None) -> tuple[np.ndarray, str]:
-        data = [x if isinstance(x, bytes) else Path(x).read_bytes() for x in images]
-        return self._encode(data, batch_size, progress, lambda chunk: self._call(
-            self.encoder.EncodeImage, encoder_pb2.EncodeImageRequest(images=chunk, model_version=model_version)))
+        settings = Settings()
+        return cls(settings.server or f"grpc://127.0.0.1:{settings.grpc_port}", api_key=settings.secret("api_key"),
+                   tls=settings.tls, ca_file=settings.tls_ca_file or settings.tls_cert_file, **options)
 
-    def search(self, text: Optional[str] = None, image: Optional[str | Path | bytes] = None,
-               vector: Optional[Iterable[float]] = None, *, task: str = "", k: int = 10, target_modality: str = "",
-               model_version: str = "", language: str = "") -> list[dict]:
-        """Hits best first, as dicts: item_id, task, score, modality, model_version, index_generation, caption."""
+    @staticmethod
+    def _text_request(chunk: list, model_version: str, language: str):
+        return encoder_pb2.EncodeTextRequest(texts=chunk, model_version=model_version, language=language)
+
+    @staticmethod
+    def _image_request(chunk: list, model_version: str):
+        return encoder_pb2.EncodeImageRequest(images=chunk, model_version=model_version)
+
+    @staticmethod
+    def _images(images: Sequence[str | Path | bytes]) -> list[bytes]:
+        return [x if isinstance(x, bytes) else Path(x).read_bytes() for x in images]
+
+    @staticmethod
+    def _search_request(text, image, vector, task: str, k: int, target_modality: str, model_version: str,
+                        language: str):
         if sum(x is not None for x in (text, image, vector)) != 1:
             raise ValueError("give exactly one of text, image or vector")
         query = ({"text": text} if text is not None else {"vector": search_pb2.Vector(values=list(vector))}
                  if vector is not None else {"image": image if isinstance(image, bytes) else Path(image).read_bytes()})
-        response = self._call(self.searcher.Search, search_pb2.SearchRequest(
-            task=task, k=k, target_modality=target_modality, model_version=model_version, language=language, **query))
+        return search_pb2.SearchRequest(task=task, k=k, target_modality=target_modality, model_version=model_version,
+                                        language=language, **query)
+
+    @staticmethod
+    def _hits(response) -> list[dict]:
         return [{"item_id": h.item_id, "task": h.task, "score": h.score, "modality": h.modality,
                  "model_version": h.model_version, "index_generation": h.index_generation,
                  "caption": h.caption or None, "query_model_version": response.query_model_version}
                 for h in response.hits]
 
-    def status(self) -> dict:
-        """What the server holds: production and query versions, indexed tasks, loaded versions, problems."""
-        status = MessageToDict(self._call(self.admin.GetStatus, admin_pb2.GetStatusRequest()),
-                               preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    @staticmethod
+    def _status(response) -> dict:
+        status = MessageToDict(response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
         for task in status["tasks"]:  # the JSON mapping writes uint64 as strings
             task["images"], task["texts"] = int(task["images"]), int(task["texts"])
         return status
 
-    def versions(self) -> list[dict]:
-        response = self._call(self.admin.ListVersions, admin_pb2.ListVersionsRequest())
+    @staticmethod
+    def _versions(response) -> list[dict]:
         return MessageToDict(response, preserving_proto_field_name=True,
                              always_print_fields_with_no_presence=True)["versions"]
 
+    @staticmethod
+    def _health(response) -> str:
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    @staticmethod
+    def _vectors(responses: list) -> tuple[np.ndarray, str]:
+        """The chunks' vectors in order, and the one version that made them all."""
+        versions = {r.model_version for r in responses}
+        if len(versions) > 1:  # production moved mid-way: vectors from two versions must not be mixed
+            raise RuntimeError(f"the production version changed during the request ({sorted(versions)}); "
+                               "retry, or pin model_version")
+        return np.concatenate([np.array([e.values for e in r.embeddings], dtype=np.float32) for r in responses]), \
+            versions.pop()
+
+
+class Client(_Calls):
+    """The clipstream services from Python: `Client("grpc://HOST:PORT")` (grpcs:// speaks TLS), or
+    `Client.from_env()`. A failed call raises the typed exception of its status (`RpcError` and subclasses)."""
+
+    def __init__(self, address: str = "127.0.0.1:9000", *, api_key: Optional[str] = None, timeout_s: float = 30.0,
+                 retries: int = 4, tls: bool = False, ca_file: Optional[str | Path] = None):
+        super().__init__(address, api_key, timeout_s, retries, tls, ca_file, aio=False)
+
+    def encode_text(self, texts: Sequence[str], batch_size: int = 64, model_version: str = "",
+                    progress: Optional[bool] = None, language: str = "") -> tuple[np.ndarray, str]:
+        """(unit vectors [N, D], the version that made them); with `language`, refused (FAILED_PRECONDITION) by a
+        version not trained on it."""
+        return self._encode(list(texts), batch_size, progress, lambda chunk: self._call(
+            self.encoder.EncodeText, self._text_request(chunk, model_version, language)))
+
+    def encode_image(self, images: Sequence[str | Path | bytes], batch_size: int = 32, model_version: str = "",
+                     progress: Optional[bool] = None) -> tuple[np.ndarray, str]:
+        return self._encode(self._images(images), batch_size, progress, lambda chunk: self._call(
+            self.encoder.EncodeImage, self._image_request(chunk, model_version)))
+
+    def search(self, text: Optional[str] = None, image: Optional[str | Path | bytes] = None,
+               vector: Optional[Iterable[float]] = None, *, task: str = "", k: int = 10, target_modality: str = "",
+               model_version: str = "", language: str = "") -> list[dict]:
+        """Hits best first, as dicts: item_id, task, score, modality, model_version, index_generation, caption."""
+        request = self._search_request(text, image, vector, task, k, target_modality, model_version, language)
+        return self._hits(self._call(self.searcher.Search, request))
+
+    def status(self) -> dict:
+        """What the server holds: production and query versions, indexed tasks, loaded versions, problems."""
+        return self._status(self._call(self.admin.GetStatus, admin_pb2.GetStatusRequest()))
+
+    def versions(self) -> list[dict]:
+        return self._versions(self._call(self.admin.ListVersions, admin_pb2.ListVersionsRequest()))
+
     def health(self, service: str = "") -> str:
         """The standard grpc.health.v1 status of `service` ('' = the server): SERVING, NOT_SERVING, ... ."""
-        response = self._call(self.health_stub.Check, health_pb2.HealthCheckRequest(service=service))
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+        return self._health(self._call(self.health_stub.Check, health_pb2.HealthCheckRequest(service=service)))
 
     def close(self) -> None:
         self.channel.close()
@@ -194,31 +255,80 @@ class Client:
     def _encode(self, items: list, batch_size: int, progress: Optional[bool], call) -> tuple[np.ndarray, str]:
         if not items:
             raise ValueError("nothing to encode")
-        vectors, versions = [], set()
-        with console.bar(total=len(items), unit="item", disable=not (progress if progress is not None else len(items) > 10 * batch_size)) as bar:
+        responses = []
+        with console.bar(total=len(items), unit="item",
+                         disable=not (progress if progress is not None else len(items) > 10 * batch_size)) as bar:
             for chunk in _chunks(items, batch_size, MAX_REQUEST_BYTES // 2):
-                response = call(chunk)
-                vectors.append(np.array([e.values for e in response.embeddings], dtype=np.float32))
-                versions.add(response.model_version)
-                bar.update(len(response.embeddings))
-        if len(versions) > 1:  # production moved mid-way: vectors from two versions must not be mixed
-            raise RuntimeError(f"the production version changed during the request ({sorted(versions)}); "
-                               "retry, or pin model_version")
-        return np.concatenate(vectors), versions.pop()
-
-    @classmethod
-    def from_env(cls, **options) -> "Client":
-        """A client configured as this machine's settings say (CLIPSTREAM_* variables, the settings file): the
-        server at Settings `server` (default grpc://127.0.0.1:<grpc_port>), its API key, TLS roots."""
-        from clipstream.settings import Settings
-
-        settings = Settings()
-        return cls(settings.server or f"grpc://127.0.0.1:{settings.grpc_port}", api_key=settings.secret("api_key"),
-                   tls=settings.tls, ca_file=settings.tls_ca_file or settings.tls_cert_file, **options)
+                responses.append(call(chunk))
+                bar.update(len(responses[-1].embeddings))
+        return self._vectors(responses)
 
     def _call(self, method, request):
         try:
             return method(request, timeout=self.timeout_s, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            raise typed(exc) from exc
+
+
+class AsyncClient(_Calls):
+    """The same calls on grpc.aio, to await from an event loop: `async with AsyncClient("grpc://HOST:PORT") as c:
+    vectors, version = await c.encode_text(texts)`. A large input goes as chunks with up to `in_flight` requests
+    on the wire at once (the server batches them together), their vectors put back in order."""
+
+    def __init__(self, address: str = "127.0.0.1:9000", *, api_key: Optional[str] = None, timeout_s: float = 30.0,
+                 retries: int = 4, tls: bool = False, ca_file: Optional[str | Path] = None, in_flight: int = 8):
+        if in_flight < 1:
+            raise ValueError(f"in_flight must be >= 1, got {in_flight}")
+        super().__init__(address, api_key, timeout_s, retries, tls, ca_file, aio=True)
+        self.in_flight = in_flight
+
+    async def encode_text(self, texts: Sequence[str], batch_size: int = 64, model_version: str = "",
+                          language: str = "") -> tuple[np.ndarray, str]:
+        return await self._encode(list(texts), batch_size, lambda chunk: self._call(
+            self.encoder.EncodeText, self._text_request(chunk, model_version, language)))
+
+    async def encode_image(self, images: Sequence[str | Path | bytes], batch_size: int = 32,
+                           model_version: str = "") -> tuple[np.ndarray, str]:
+        return await self._encode(self._images(images), batch_size, lambda chunk: self._call(
+            self.encoder.EncodeImage, self._image_request(chunk, model_version)))
+
+    async def search(self, text: Optional[str] = None, image: Optional[str | Path | bytes] = None,
+                     vector: Optional[Iterable[float]] = None, *, task: str = "", k: int = 10,
+                     target_modality: str = "", model_version: str = "", language: str = "") -> list[dict]:
+        request = self._search_request(text, image, vector, task, k, target_modality, model_version, language)
+        return self._hits(await self._call(self.searcher.Search, request))
+
+    async def status(self) -> dict:
+        return self._status(await self._call(self.admin.GetStatus, admin_pb2.GetStatusRequest()))
+
+    async def versions(self) -> list[dict]:
+        return self._versions(await self._call(self.admin.ListVersions, admin_pb2.ListVersionsRequest()))
+
+    async def health(self, service: str = "") -> str:
+        return self._health(await self._call(self.health_stub.Check, health_pb2.HealthCheckRequest(service=service)))
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def _encode(self, items: list, batch_size: int, call) -> tuple[np.ndarray, str]:
+        if not items:
+            raise ValueError("nothing to encode")
+        slots = asyncio.Semaphore(self.in_flight)
+
+        async def one(chunk):
+            async with slots:
+                return await call(chunk)
+        return self._vectors(await asyncio.gather(*(one(c) for c in _chunks(items, batch_size, MAX_REQUEST_BYTES // 2))))
+
+    async def _call(self, method, request):
+        try:
+            return await method(request, timeout=self.timeout_s, metadata=self.metadata)
         except grpc.RpcError as exc:
             raise typed(exc) from exc
 

@@ -156,6 +156,33 @@ def test_cli_search_and_encode_print_tables_and_statuses(served, indexed, capsys
     assert "NOT_FOUND: unknown task 'nope'" in capsys.readouterr().err
 
 
+def test_the_async_client_pipelines_chunks_and_answers_as_the_client_does(served, indexed):
+    """AsyncClient: a large input in chunks with several on the wire, the vectors back in input order (equal to the
+    blocking client's), the same search hits, the same typed errors."""
+    import asyncio
+
+    from clipstream.services.client import AsyncClient, NotFound
+
+    address = f"grpc://127.0.0.1:{served[0].grpc_port}"
+    captions = [f"a {colour} square number {k}" for k, colour in enumerate(["red", "green", "blue"] * 50)]
+    with Client(address) as client:
+        expected, version = client.encode_text(captions, batch_size=8)
+        hits = client.search(text="a red square", task="squares", k=3)
+
+    async def calls():
+        async with AsyncClient(address, in_flight=4) as client:
+            vectors = await client.encode_text(captions, batch_size=8)  # 19 chunks (the test app takes 8), 4 at a time
+            found = await client.search(text="a red square", task="squares", k=3)
+            with pytest.raises(NotFound):
+                await client.search(text="a cup", task="nope")
+            return vectors, found, await client.health()
+
+    (vectors, got_version), found, health = asyncio.run(calls())
+    assert got_version == version and health == "SERVING"
+    np.testing.assert_allclose(vectors, expected, atol=1e-5)
+    assert [h["item_id"] for h in found] == [h["item_id"] for h in hits]
+
+
 def test_cli_health_is_a_probe(served, indexed, capsys):
     """`clipstream health` (the Helm chart's test pod runs it): exit 0 and SERVING for the server and each
     service once a model and a gallery are in place; an unknown service is the server's NOT_FOUND, exit 2."""
