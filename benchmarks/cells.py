@@ -193,6 +193,7 @@ def train_task(settings: Settings, folder: Path, preset: str, parent: Optional[s
     metrics = Registry(settings).run_metrics(result.run_id)
     return {"task": result.task, "version": result.version, "ranks": result.ranks, "seconds": result.seconds,
             "step_ms": metrics.get("train/step_ms", math.nan), "zero_shot": result.zero_shot,
+            "zero_shot_accuracy": result.zero_shot_accuracy,
             "sd": {k: v for k, v in metrics.items() if k.startswith("sd/")}}
 
 
@@ -209,7 +210,8 @@ def _record(what: dict, label: str, steps: list[dict], trained_by: list[str], st
     return {"key": what, "label": label, "tasks": [s["task"] for s in steps], "trained_by": trained_by,
             "versions": [s["version"] for s in steps], "stream": stream, "seconds": [s["seconds"] for s in steps],
             "step_ms": [s["step_ms"] for s in steps], "sd": [s["sd"] for s in steps],
-            "zero_shot": steps[-1]["zero_shot"], "rows": [s["ranks"] for s in steps], "code": code_version(),
+            "zero_shot": steps[-1]["zero_shot"], "zero_shot_accuracy": steps[-1].get("zero_shot_accuracy", []),
+            "rows": [s["ranks"] for s in steps], "code": code_version(),
             "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 

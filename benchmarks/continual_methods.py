@@ -234,6 +234,16 @@ def cost(cell: dict, base: dict | None) -> tuple[float, float]:
     return ratio, sum(cell["seconds"]) / 60
 
 
+def accuracy_cell(cells: list[dict]) -> str:
+    """Zero-shot top-1 accuracy (%) after the last task: the mean over the seeds and [their lowest, highest] (a
+    classification has no per-query ranks kept, so no bootstrap); '-' where a cell did not record it (cells from
+    before it was recorded, or no labelled held-out task)."""
+    found = [c["zero_shot_accuracy"][-1] for c in cells if c.get("zero_shot_accuracy")]  # (percent, as logged)
+    if len(found) != len(cells) or not found:
+        return "-"
+    return f"{np.mean(found):.1f} [{min(found):.1f}, {max(found):.1f}]"
+
+
 def methods_report(summary: stats.Summary, results: dict[str, dict[int, dict]], tables: dict[str, list[Statistic]],
                    out: Path, command: str, device: str, stream: str = "") -> str:
     """Write the tables to `out` (markdown), AA after each task with its band to `out`.png and the paired differences
@@ -268,10 +278,12 @@ def methods_report(summary: stats.Summary, results: dict[str, dict[int, dict]], 
     for label, est in summary.estimates.items():
         ratios, minutes = zip(*(cost(c, results[base][s] if base else None) for s, c in results[label].items()))
         ratio = finite_mean(ratios)
-        rows.append([label, *(est[st.name].format() for st in headline), "-" if math.isnan(ratio) else f"{ratio:.2f}",
+        rows.append([label, *(est[st.name].format() for st in headline),
+                     accuracy_cell(list(results[label].values())), "-" if math.isnan(ratio) else f"{ratio:.2f}",
                      float(np.mean(minutes))])
     lines += report.table(["method", *(f"{st.name} (lower is better)" if st.lower_is_better else st.name
-                                       for st in headline), f"step time ×{base or '-'}", "minutes"], rows)
+                                       for st in headline), "zero-shot top-1 % (seeds' range)",
+                           f"step time ×{base or '-'}", "minutes"], rows)
     lines += ["", "## Recall after the last task", "",
               "R@K of the last row of R, the mean over its tasks and both directions; task-known: each query in its "
               "own task's gallery; task-unknown: in the union of every task's gallery.", ""]

@@ -46,11 +46,12 @@ def test_the_report_has_intervals_paired_differences_recall_and_the_plots(tmp_pa
     assert "Reproduce: `clipstream bench methods --seeds 0,1`" in text and "Device: CPU (test). Stream: s." in text
     assert "Seeds 0, 1; test pairs per task: 300." in text and "hierarchical bootstrap of 200 resamples" in text
     assert ("| method | AA | forgetting (lower is better) | BWT | final Rm (task-unknown AA) | zero-shot Rm "
-            "| zero-shot drop (lower is better) | step time ×finetune | minutes |") in text
+            "| zero-shot drop (lower is better) | zero-shot top-1 % (seeds' range) | step time ×finetune | minutes |") \
+        in text
     ft, ewc = summary.estimates["finetune"], summary.estimates["ewc weight=100"]
     row = next(line for line in text.splitlines() if line.startswith("| ewc weight=100 | "))
     assert row.startswith(f"| ewc weight=100 | {ewc['AA'].format()} | {ewc['forgetting'].format()} |")
-    assert row.endswith("| 1.50 | 2.0 |")
+    assert row.endswith("| - | 1.50 | 2.0 |")  # (these cells record no zero-shot accuracy)
     # AA (.7 + .7 + .8) / 3 against (.1 + .2 + .8) / 3; forgetting (10 + 10) / 2 against (70 + 60) / 2
     assert 70 < ewc["AA"].point < 77 and 33 < ft["AA"].point < 40
     assert 5 < ewc["forgetting"].point < 15 and 58 < ft["forgetting"].point < 72
@@ -155,3 +156,12 @@ def test_a_real_run_of_two_seeds_two_methods_two_tasks_stopped_and_continued(ray
         point, lo, hi = float(aa.split(" [")[0]), *map(float, aa.split(" [")[1].rstrip("]").split(", "))
         assert 0 < lo <= point <= hi <= 100
     assert out.with_name("methods-forest.png").exists()
+
+
+def test_the_zero_shot_accuracy_column_is_the_seeds_mean_and_range_or_a_dash():
+    from clipstream.benchmarks.continual_methods import accuracy_cell
+
+    assert accuracy_cell([{"zero_shot_accuracy": [20.0, 31.0]}, {"zero_shot_accuracy": [18.0, 25.0]},
+                          {"zero_shot_accuracy": [22.0, 28.0]}]) == "28.0 [25.0, 31.0]"  # the last version's
+    assert accuracy_cell([{"zero_shot_accuracy": [30.0]}, {}]) == "-"  # a cell from before it was recorded
+    assert accuracy_cell([{"zero_shot_accuracy": []}]) == "-"  # no labelled held-out task
