@@ -21,7 +21,7 @@ import re
 import shutil
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -76,6 +76,7 @@ class TaskVectors:
     text: np.ndarray
     captions: list[str]
     split: str = "test"
+    image_uris: list[str] = field(default_factory=list)  # where each row's image is, for image hits ([]: not said)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class Hit:
     index_generation: int
     lineage: str
     caption: str | None
+    image_uri: str | None = None  # image hits: where the image is (a path on the machine that indexed it, or a URI)
 
 
 def _unit(x, what: str, dim: int | None) -> np.ndarray:
@@ -113,9 +115,9 @@ def _check_task(tv: TaskVectors, dim: int | None) -> tuple[np.ndarray, np.ndarra
     """Validate one task completely before anything is written; returns its unit image and text vectors."""
     if not isinstance(tv, TaskVectors):
         raise VectorIndexError(f"expected TaskVectors, got {type(tv).__name__}")
-    for field in ("task", "model_version", "split"):
-        if not isinstance(getattr(tv, field), str) or not getattr(tv, field):
-            raise VectorIndexError(f"TaskVectors.{field} must be a non-empty string, got {getattr(tv, field)!r}")
+    for name in ("task", "model_version", "split"):
+        if not isinstance(getattr(tv, name), str) or not getattr(tv, name):
+            raise VectorIndexError(f"TaskVectors.{name} must be a non-empty string, got {getattr(tv, name)!r}")
     where = f"task {tv.task!r} (version {tv.model_version})"
     if not isinstance(tv.task_index, int) or tv.task_index < 0:
         raise VectorIndexError(f"{where}: task_index must be an int >= 0, got {tv.task_index!r}")
@@ -129,6 +131,8 @@ def _check_task(tv: TaskVectors, dim: int | None) -> tuple[np.ndarray, np.ndarra
     image, text = _unit(tv.image, f"{where} image", dim), _unit(tv.text, f"{where} text", dim)
     if image.shape[1] != text.shape[1]:
         raise VectorIndexError(f"{where}: image dimension {image.shape[1]} != text dimension {text.shape[1]}")
+    if tv.image_uris and (len(tv.image_uris) != n or not all(isinstance(u, str) for u in tv.image_uris)):
+        raise VectorIndexError(f"{where}: image_uris must be one string per row, or none")
     if not (len(image) == len(text) == len(tv.captions) == n):
         raise VectorIndexError(f"{where}: lengths differ: {n} item_ids, {len(image)} image rows, "
                                f"{len(text)} text rows, {len(tv.captions)} captions")
@@ -369,6 +373,9 @@ class VectorIndex:
         if modality == "text":
             for p, c in zip(payloads, tv.captions):
                 p["caption"] = c
+        else:
+            for p, uri in zip(payloads, tv.image_uris):
+                p["image_uri"] = uri
         return payloads
 
     def _commit(self, old: dict, new: dict) -> dict:
@@ -389,7 +396,8 @@ class VectorIndex:
     def _hit(score: float, p: dict) -> Hit:
         return Hit(item_id=p["item_id"], task=p["task"], task_index=p["task_index"], modality=p["modality"],
                    score=float(score), model_version=p["model_version"], index_generation=p["index_generation"],
-                   lineage=p["lineage"], caption=p.get("caption") if p["modality"] == "text" else None)
+                   lineage=p["lineage"], caption=p.get("caption") if p["modality"] == "text" else None,
+                   image_uri=p.get("image_uri") if p["modality"] == "image" else None)
 
     @contextlib.contextmanager
     def _writing(self):

@@ -129,7 +129,16 @@ def embed_gallery(version: Version, task: Task, task_index: int, split: str = "t
     if not images:
         image = np.stack([np.frombuffer(stored_images[i][0], dtype=np.float32) for i in ids])
     return TaskVectors(task.name, task_index, version.version, ids, image.astype(np.float32), text.astype(np.float32),
-                       [str(r["caption"]) for r in rows], split)
+                       [str(r["caption"]) for r in rows], split, [image_uri(task, r) for r in rows])
+
+
+def image_uri(task: Task, row: dict) -> str:
+    """Where a row's image is, for its image hits: its file (a path on the machine that indexed it, or the task's URI
+    joined with it; an allowed outside path or URI as written); "" for an image inside a WebDataset shard."""
+    image = row.get("image")
+    if not isinstance(image, str) or not image:
+        return ""
+    return image if "://" in image or image.startswith("/") else str(task.root / image)
 
 
 def index_task(settings: Settings, version_ref: str, task_dir: str | Path, policy: Policy = NO_REINDEX,

@@ -175,7 +175,8 @@ class _Calls:
     def _hits(response) -> list[dict]:
         return [{"item_id": h.item_id, "task": h.task, "score": h.score, "modality": h.modality,
                  "model_version": h.model_version, "index_generation": h.index_generation,
-                 "caption": h.caption or None, "query_model_version": response.query_model_version}
+                 "caption": h.caption or None, "image_uri": h.image_uri or None,
+                 "query_model_version": response.query_model_version}
                 for h in response.hits]
 
     @staticmethod

@@ -75,7 +75,8 @@ class Search:
                 break
         return search_pb2.SearchResponse(query_model_version=version, hits=[
             search_pb2.Hit(item_id=h.item_id, task=h.task, score=h.score, modality=h.modality,
-                           model_version=h.model_version, index_generation=h.index_generation, caption=h.caption or "")
+                           model_version=h.model_version, index_generation=h.index_generation, caption=h.caption or "",
+                           image_uri=h.image_uri or "")
             for h in hits])
 
     async def _encode(self, kind: str, item, version: str, language: str, attempts: int = 4):

@@ -339,5 +339,6 @@ def indexed(served):
         for t, task in enumerate(("squares", "discs")):
             captions = [f"a {c} {task[:-1]} {t}" for c in COLOURS]
             img, txt = bundle.embed_images([png(c) for c in COLOURS]), bundle.embed_texts(captions)
-            index.append(TaskVectors(task, t, v1, [f"{task}-{i}" for i in range(len(COLOURS))], img, txt, captions))
+            index.append(TaskVectors(task, t, v1, [f"{task}-{i}" for i in range(len(COLOURS))], img, txt, captions,
+                                     image_uris=[f"s3://bucket/{task}/{i}.png" for i in range(len(COLOURS))]))
     return settings, search_pb2_grpc.SearchStub(channel), bundle, v1

@@ -33,10 +33,10 @@ def format_hits(hits: list[dict], query, task) -> str:
     scope = f"task-known ({task})" if task else "task-unknown (all tasks)"
     version = hits[0]["query_model_version"] if hits else "-"
     lines = [f"query {str(query)!r}, {scope}, encoded by version {version}",
-             f"{'#':>2} {'score':>6}  {'task':<20} {'item':<28} {'ver':>3} {'gen':>3}  caption"]
+             f"{'#':>2} {'score':>6}  {'task':<20} {'item':<28} {'ver':>3} {'gen':>3}  caption, or the image's file"]
     for i, h in enumerate(hits, 1):
         lines.append(f"{i:>2} {h['score']:6.3f}  {h['task']:<20} {h['item_id']:<28} {h['model_version']:>3} "
-                     f"{h['index_generation']:>3}  {h['caption'] or ''}")
+                     f"{h['index_generation']:>3}  {h['caption'] or h.get('image_uri') or ''}")
     return "\n".join(lines)
 
 

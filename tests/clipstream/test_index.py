@@ -223,6 +223,10 @@ def test_wrong_dimension_and_bad_vectors_refused_without_change(index):
     bad.text[1, 2] = np.nan
     with pytest.raises(VectorIndexError, match="NaN"):
         index.append(bad)
+    bad = tv("b", "2")
+    bad.image_uris = ["/only/one.png"]
+    with pytest.raises(VectorIndexError, match="image_uris must be one string per row"):
+        index.append(bad)
     with pytest.raises(VectorIndexError, match="zero vector"):
         index.search(np.zeros(DIM), "image")
     with pytest.raises(VectorIndexError, match="NaN or infinite"):

@@ -68,6 +68,12 @@ def test_no_reindex_appends_each_task_with_its_own_version(trained, backend, tmp
     assert state["generation"] == 1
     assert {t: e["model_version"] for t, e in state["tasks"].items()} == {
         "task-00-household": "1", "task-01-furnishing": "2", "task-02-food": "3"}
+    with open_index(settings) as index:  # each image point names the task's image file
+        task = Task.load(dirs[0])
+        files = {str(r["id"]): str(task.root / r["image"]) for r in task.check("test").rows}
+        dim = index.state()["dim"]
+        hits = index.search(np.full(dim, dim ** -0.5, np.float32), "image", "task-00-household", 5)
+        assert hits and all(h.image_uri == files[h.item_id] for h in hits)
     assert "task-02-food" in capsys.readouterr().out
     assert Registry(settings).resolve("3", download=False).tags["index_policy"] == "no-reindex"
 

@@ -17,6 +17,9 @@ def test_text_query_ranks_images_like_the_index_does_in_process(indexed):
     response = stub.Search(search_pb2.SearchRequest(text="a red square", k=5))
     assert response.query_model_version == v1 and len(response.hits) == 5
     assert {h.modality for h in response.hits} == {"image"} and {h.model_version for h in response.hits} == {v1}
+    # an image hit names its image (a user can open it), a text hit its caption
+    assert all(h.image_uri == f"s3://bucket/{h.task}/{h.item_id.rsplit('-', 1)[1]}.png" and not h.caption
+               for h in response.hits)
     with torch.no_grad():
         q = bundle.model.encode_text(bundle.tokenizer(["a red square"]), normalize=True).numpy()[0]
     with open_index(settings) as index:
