@@ -52,9 +52,11 @@ from PIL import Image
 BadImagePolicy = Literal["fail", "skip"]
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
 KINDS = ("domain", "language")
-# threads that open, verify and hash a task's images: most of their time is waiting for a file (a local disk, or an
-# object store's round trip), so more threads than cores (`clipstream bench data-check` measures the gain)
+# threads that open, verify and hash the images of a task on object storage: their time is an object store's round
+# trips, so more threads than cores; on a local disk the work is Python's own (path checks, headers) and threads only
+# contended for the GIL (`clipstream bench data-check`)
 IO_THREADS = min(32, 4 * (os.cpu_count() or 1))
+LOCAL_THREADS = 1
 # task.yaml's keys: a typo (`knd: language`) is refused, not read as the default; `metadata` holds anything else
 TASK_KEYS = ("name", "kind", "splits", "index", "description", "lang", "classes", "templates", "held_out", "metadata")
 NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # and no ".." (see Task.load)
@@ -177,9 +179,9 @@ class Task:
             raise ValueError(f"on_bad_image must be 'fail' or 'skip', got {on_bad_image!r}")
         check, seen = Check([]), {}
         rows = list(_read_rows(self.split(split)))
-        # every image opened and verified on a pool of threads (reading a file, above all from object storage, waits;
-        # PIL and the OS release the GIL), the rows then judged in order, as one loop would
-        images = parallel(self._image_outcome, [row for _, row in rows])
+        # every image opened and verified (on a pool of threads for a task on object storage: `threads`), the rows
+        # then judged in order, as one loop would
+        images = parallel(self._image_outcome, [row for _, row in rows], self.threads)
         for (where, row), (problem, error) in zip(rows, images):
             if not row.get("id"):
                 raise DataError(f"{where}: missing id")
@@ -215,6 +217,12 @@ class Task:
     def image(self, row: dict) -> bytes | Path:
         """A row's image: its bytes (a WebDataset shard carries them; remote files are read) or its local file."""
         return image_source(self.root, row.get("image"), row.get("image_bytes"))
+
+    @property
+    def threads(self) -> int:
+        """Threads that open, verify and hash the task's images: IO_THREADS for a task on object storage (each read
+        waits a round trip), LOCAL_THREADS on a local disk (the work is Python's, under the GIL: threads slowed it)."""
+        return LOCAL_THREADS if _local(self.root) is not None else IO_THREADS
 
     def _image_outcome(self, row: dict) -> tuple[Optional[str], Optional[DataError]]:
         try:
@@ -252,7 +260,7 @@ class Task:
         digest = hashlib.sha256((self.root / "task.yaml").read_bytes())
         for split in sorted(self.splits):
             rows = list(_read_rows(self.splits[split]))
-            for (where, row), image in zip(rows, parallel(self._image_digest, rows)):  # (threads: as `check`)
+            for (where, row), image in zip(rows, parallel(self._image_digest, rows, self.threads)):  # (as `check`)
                 digest.update(json.dumps({k: v for k, v in row.items() if k != "image_bytes"}, sort_keys=True).encode())
                 digest.update(image)
         return digest.hexdigest()
@@ -269,11 +277,12 @@ class Task:
         return hashlib.sha256(data).digest()
 
 
-def parallel(fn, items: list) -> list:
-    """[fn(x) for x in items], on a pool of threads (IO_THREADS); the first exception raised is raised here."""
-    if len(items) < 2 * IO_THREADS:
+def parallel(fn, items: list, threads: int) -> list:
+    """[fn(x) for x in items], on a pool of `threads` threads (one loop below 2 × threads items); the first exception
+    raised is raised here."""
+    if threads < 2 or len(items) < 2 * threads:
         return [fn(x) for x in items]
-    with ThreadPoolExecutor(IO_THREADS, thread_name_prefix="task-check") as pool:
+    with ThreadPoolExecutor(threads, thread_name_prefix="task-check") as pool:
         return list(pool.map(fn, items, chunksize=64))
 
 

@@ -804,18 +804,19 @@ def test_bad_classes_or_templates_are_refused_at_load(tmp_path, meta, problem):
 
 
 def test_images_checked_and_hashed_on_threads_give_what_one_loop_gives(tmp_path, monkeypatch):
-    """Past 2 × IO_THREADS rows the images are opened, verified and hashed on a pool: the rows kept, the digest and
-    the first bad row reported (in row order, not in the order the threads finish) are those of one loop."""
+    """Past 2 × threads rows the images are opened, verified and hashed on a pool (a task on object storage; forced
+    here on a local one): the rows kept, the digest and the first bad row reported (in row order, not in the order
+    the threads finish) are those of one loop."""
     from clipstream.training.data import task as task_module
 
-    monkeypatch.setattr(task_module, "IO_THREADS", 4)
+    monkeypatch.setattr(task_module, "LOCAL_THREADS", 4)
     root = make_task(tmp_path / "t", {"train": default_rows(60), "test": default_rows(2, "test")})
     threaded = Task.load(root)
     rows, digest = [r["id"] for r in threaded.check("train").rows], threaded.data_sha()
-    monkeypatch.setattr(task_module, "IO_THREADS", 10_000)  # below 2 × IO_THREADS rows: one loop
+    monkeypatch.setattr(task_module, "LOCAL_THREADS", 1)  # one loop
     assert [r["id"] for r in Task.load(root).check("train").rows] == rows and len(rows) == 60
     assert Task.load(root).data_sha() == digest
-    monkeypatch.setattr(task_module, "IO_THREADS", 4)
+    monkeypatch.setattr(task_module, "LOCAL_THREADS", 4)
     for k in (41, 17):  # two corrupt images: the earlier row is the one reported
         (root / f"images/train/{k}.png").write_bytes(b"not a png")
     raises([f"{root / 'train.jsonl'}:18: corrupt image"], Task.load(root).check, "train")
