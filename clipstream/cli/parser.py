@@ -117,7 +117,8 @@ def parser() -> argparse.ArgumentParser:
     synth.set_defaults(func=data._synth)
     im = ds.add_parser("import", help="write a task directory from CSV/TSV (open_clip's), JSONL, parquet, COCO "
                        "captions or Karpathy splits")
-    im.add_argument("format", choices=("csv", "tsv", "jsonl", "parquet", "coco", "karpathy"))
+    im.add_argument("format", choices=("csv", "tsv", "jsonl", "parquet", "coco", "karpathy"),
+                    help="the source's format: csv, tsv, jsonl, parquet, coco (captions JSON) or karpathy (splits JSON)")
     im.add_argument("source", help="the file: a CSV/TSV/JSONL/parquet table, a COCO captions or Karpathy JSON")
     im.add_argument("--out", required=True, metavar="DIR", help="the new task directory (new or empty)")
     im.add_argument("--name", help="the task's name (default: the folder's name)")
