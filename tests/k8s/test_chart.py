@@ -781,6 +781,15 @@ def test_values_schema_knows_every_setting_the_chart_does_not_set_itself():
     assert set(schema["properties"]["settings"]["properties"]) == set(Settings.model_fields) - computed
 
 
+def test_a_list_setting_reaches_the_pods_as_json_that_settings_parse(monkeypatch):
+    from clipstream.settings import Settings
+
+    docs = objects(helm_template("--set-json", 'settings.image_roots=["s3://bucket/images","/data/laion"]'))
+    value = one(docs, "ConfigMap", f"{RELEASE}-settings")["data"]["CLIPSTREAM_IMAGE_ROOTS"]
+    monkeypatch.setenv("CLIPSTREAM_IMAGE_ROOTS", value)
+    assert Settings().image_roots == ["s3://bucket/images", "/data/laion"]
+
+
 def secret_value(docs: list[dict], name: str, key: str) -> str:
     import base64
 
