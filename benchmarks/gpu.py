@@ -180,12 +180,18 @@ def device_profile(setups: dict, steps: int, top: int = 12) -> dict[str, dict]:
             wall = method_step.timed(step, data, steps)
         events = prof.key_averages()
         ranked = sorted(events, key=lambda e: (device_us(e), e.self_cpu_time_total), reverse=True)[:top]
-        out[name] = {"wall_ms": wall, "device_ms": sum(device_us(e) for e in events) / 1000 / steps,
+        out[name] = {"wall_ms": wall, "device_ms": busy_ms(events, steps),
                      "phases": phase_ms(prof.events(), steps),
                      "top": [{"op": e.key, "device_ms": device_us(e) / 1000 / steps,
                               "cpu_ms": e.self_cpu_time_total / 1000 / steps, "calls": e.count / steps}
                              for e in ranked]}
     return out
+
+
+def busy_ms(events, steps: int) -> float:
+    """ms per step the device spent in kernels and copies: the device's own events only. An op's self device time
+    is its kernels' time again, so a sum over ops and kernels together counts each kernel twice."""
+    return sum(e.self_device_time_total for e in events if str(e.device_type).endswith("CUDA")) / 1000 / steps
 
 
 def phase_ms(events, steps: int) -> dict[str, float]:
@@ -261,8 +267,10 @@ def measure_training(arch: str, batch: int, steps: int, warmup: int, device, pre
     return out
 
 
-def measure_zero(arch: str, batch: int, steps: int, warmup: int, device, stages=(2, 3)) -> dict[int, dict]:
-    """(b): samples/s of the same step under each ZeRO stage on this one device; a stage that fails says why."""
+def measure_zero(arch: str, batch: int, steps: int, warmup: int, device, stages=(2, 3),
+                 profile_steps: int = 0) -> dict[int, dict]:
+    """(b): samples/s of the same step under each ZeRO stage on this one device; a stage that fails says why; with
+    `profile_steps`, where each stage's step spends its time (`device_profile`, under "profile")."""
     import torch
 
     from clipstream import models
@@ -285,6 +293,9 @@ def measure_zero(arch: str, batch: int, steps: int, warmup: int, device, stages=
             ms = statistics.median(times[warmup:])
             out[stage] = {"samples_per_s": 1000 * batch / ms, "step_ms": ms,
                           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+            if profile_steps:
+                name = f"ZeRO {stage}"
+                out[stage]["profile"] = device_profile({name: (synced(step, device), data)}, profile_steps, top=8)[name]
             del engine, method, ctx, step
         except Exception as exc:  # noqa: BLE001 (a stage that cannot run is a result: the report names the error)
             out[stage] = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
@@ -292,9 +303,11 @@ def measure_zero(arch: str, batch: int, steps: int, warmup: int, device, stages=
     return out
 
 
-def measure_methods(arch: str, batch: int, cycles: int, device, names: Sequence[str], workdir: Path) -> dict[str, float]:
+def measure_methods(arch: str, batch: int, cycles: int, device, names: Sequence[str], workdir: Path,
+                    profile_steps: int = 0) -> dict:
     """(c): each method's step ÷ finetune's in the same cycle (median over cycles), bf16 on `device`, every method in
-    the state of its second task (benchmarks/method_step.py's set-up)."""
+    the state of its second task (benchmarks/method_step.py's set-up); with `profile_steps`, where each method's step
+    spends its time (`device_profile`, under "profile")."""
     import torch
 
     from clipstream import models
@@ -324,6 +337,7 @@ def measure_methods(arch: str, batch: int, cycles: int, device, names: Sequence[
     out = {name: method_step.paired_ratio(times[name], times["finetune"]) for name in setups if name != "finetune"}
     out.update(failed)
     out["finetune_ms"] = statistics.median(times["finetune"])
+    out["profile"] = device_profile(setups, profile_steps, top=8) if profile_steps else None
     del setups
     _free(device)
     return out
@@ -502,10 +516,13 @@ def gpu_report(out: Path, command: str, device: str, versions: str, arch: str, b
              *report.table(["ZeRO stage", "samples/s", "step ms", "peak memory GiB"],
                            [[stage, _fmt(z.get("samples_per_s")), _fmt(z.get("step_ms")), _fmt(z.get("peak_gib"))]
                             if "error" not in z else [stage, f"failed: {z['error']}", "", ""] for stage, z in zero.items()]),
+             *([""] + profile_lines({f"ZeRO {stage}": z["profile"] for stage, z in zero.items() if z.get("profile")})
+               if any(z.get("profile") for z in zero.values()) else []),
              "", f"## (c) Method step ×finetune ({arch}, batch {sizes['method_batch']}, bf16, second task's state)", "",
              f"finetune's step: {methods['finetune_ms']:.1f} ms.", "",
              *report.table(["method", "×finetune"], [[n, r if isinstance(r, str) else f"{r:.2f}"]
-                                                     for n, r in methods.items() if n != "finetune_ms"]),
+                                                     for n, r in methods.items() if n not in ("finetune_ms", "profile")]),
+             *([""] + profile_lines(methods["profile"]) if methods.get("profile") else []),
              "", f"## (d) Encoder model path ({encode['dtype']}, batch {sizes['encode_batch']})", "",
              "`ModelPath` as an Encoder replica runs it (each request's JPEGs decoded and preprocessed on the CPU, "
              "8 requests batched, one model call per batch, unit float32 vectors split back) against a plain open_clip "
@@ -545,7 +562,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     p.add_argument("--eval-pairs", type=int, default=1024, help="(e): test pairs of the synthetic task")
     p.add_argument("--rounds", type=int, default=2, help="(d), (e): timed rounds, the best kept")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                   help="(a): also profile this many steps of each side (torch profiler): where the step's time goes")
+                   help="(a)-(c): also profile this many steps of each side, ZeRO stage and method (torch "
+                   "profiler): where each step's time goes")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's peak dense bf16 TFLOP/s (default: by name)")
     p.add_argument("--cpu", action="store_true", help="run every part tiny on the CPU (tiny arch, 2 steps): a smoke "
                    "test of this script")
@@ -605,9 +623,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         train = part("(a) training step", measure_training, args.arch, args.batch, args.steps, args.warmup, device,
                      "bf16", args.profile)
-        zero = part("(b) ZeRO 2 / 3", measure_zero, args.arch, args.batch, args.steps, args.warmup, device)
+        zero = part("(b) ZeRO 2 / 3", measure_zero, args.arch, args.batch, args.steps, args.warmup, device, (2, 3),
+                    args.profile)
         methods = part("(c) method steps", measure_methods, args.arch, args.method_batch, args.cycles, device,
-                       [m for m in args.methods.split(",") if m], Path(tmp))
+                       [m for m in args.methods.split(",") if m], Path(tmp), args.profile)
         encode = part("(d) Encoder path", measure_encoder, args.arch, args.encode_batch, args.encode_images,
                       args.encode_texts, device, args.rounds)
         embed = part("(e) embed path", measure_embed, args.arch, args.eval_pairs, args.encode_batch, device, args.rounds,

@@ -30,7 +30,7 @@ DS_BUILD_OPS=0 "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$OUT
 # What the measured code imports that the machine lacks, at the versions tested here, as cp312 manylinux wheels:
 # open_clip and timm; torchvision paired with the machine's torch; DeepSpeed's and clipstream's own imports.
 PACKAGES=(open_clip_torch timm ftfy wcwidth pillow einops hjson msgpack ninja psutil py-cpuinfo pydantic pydantic_core
-          annotated-types typing-inspection pydantic-settings python-dotenv)
+          annotated-types typing-inspection pydantic-settings python-dotenv braceexpand)
 PINNED=("torchvision==$TORCHVISION")
 for name in "${PACKAGES[@]}"; do PINNED+=("$name==$(version "$name")"); done
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version "$GPU_PYTHON" --implementation cp \

@@ -102,8 +102,13 @@ def test_the_report_gives_mfu_the_ratios_and_every_target(tmp_path):
     train = {"samples_per_s": 2000.0, "step_ms": 128.0, "flops_per_sample": 26.4e9, "forward_flops_per_sample": 8.8e9,
              "plain_samples_per_s": 2100.0, "vs_plain": 0.95, "peak_gib": 21.5, "params": 151_277_313,
              "dtype": "bfloat16", "zero_stage": 0}
-    zero = {2: {"samples_per_s": 1900.0, "step_ms": 134.7, "peak_gib": 18.0}, 3: {"error": "RuntimeError: boom"}}
-    methods = {"ctp": 1.3, "lwf": 1.1, "modx": 1.15, "ewc": "failed: RuntimeError: x", "mas": 1.02, "finetune_ms": 60.0}
+    profiled = {name: {"wall_ms": 61.0, "device_ms": 58.0, "phases": {"step: method terms": 3.0},
+                       "top": [{"op": "aten::mm", "device_ms": 12.5, "cpu_ms": 1.0, "calls": 228}]}
+                for name in ("finetune", "ctp")}
+    methods = {"ctp": 1.3, "lwf": 1.1, "modx": 1.15, "ewc": "failed: RuntimeError: x", "mas": 1.02, "finetune_ms": 60.0,
+               "profile": profiled}
+    zero = {2: {"samples_per_s": 1900.0, "step_ms": 134.7, "peak_gib": 18.0, "profile": profiled["ctp"]},
+            3: {"error": "RuntimeError: boom"}}
     encode = {"dtype": "bfloat16", "images_s": 1900.0, "plain_images_s": 2000.0, "texts_s": 9000.0, "plain_texts_s": 9100.0}
     embed = {"pairs": 1024, "pairs_s": 800.0, "plain_pairs_s": 1000.0}
     out = tmp_path / "gpu.md"
@@ -115,6 +120,9 @@ def test_the_report_gives_mfu_the_ratios_and_every_target(tmp_path):
     assert "Engine ÷ plain (median over cycles of the paired step ratio): 0.95×." in text
     assert "| 3 | failed: RuntimeError: boom |" in text and "| ewc | failed: RuntimeError: x |" in text
     assert "| images | 1900.0 | 2000.0 | 0.95 |" in text and "151.3 M parameters" in text
+    # (c)'s profile: a column per method, its phases and its top ops; not a row of the ratios table
+    assert "| phase step: method terms (CPU) | 3.0 | 3.0 |" in text and "Top ops of `ctp` by self device time:" in text
+    assert "| profile |" not in text and "Top ops of `ZeRO 2` by self device time:" in text
     verdicts = {c["check"]: c["ok"] for c in json.loads(out.with_suffix(".json").read_text())["checks"]}
     assert verdicts == {"engine step ÷ plain bf16 loop (samples/s)": True, "ctp step ×finetune": False,
                         "lwf step ×finetune": True, "modx step ×finetune": True, "ewc step ×finetune": False,
@@ -124,3 +132,15 @@ def test_the_report_gives_mfu_the_ratios_and_every_target(tmp_path):
     unknown = bench.gpu_report(out, "c", "X (1 GPU)", "v", "ViT-B-32", 256, train, zero, methods, encode, embed, None,
                                {"method_batch": 128, "encode_batch": 256})
     assert "- (unknown GPU: pass --peak-tflops)" in unknown
+
+
+def test_device_busy_time_counts_each_kernel_once():
+    """An op's self device time is its kernels' time: busy time sums the device's own events (kernels, copies) alone."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    events = [SimpleNamespace(key="aten::mm", device_type=DeviceType.CPU, self_device_time_total=12_000),
+              SimpleNamespace(key="nvjet_sm90_gemm", device_type=DeviceType.CUDA, self_device_time_total=12_000),
+              SimpleNamespace(key="Memcpy DtoD", device_type=DeviceType.CUDA, self_device_time_total=2_000)]
+    assert bench.busy_ms(events, steps=2) == 7.0

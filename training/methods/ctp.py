@@ -118,7 +118,11 @@ class CTP(Method):
             self.momentum_model.load_state_dict(self._saved.pop("momentum"))
         with record_function("momentum update"):
             self.update_momentum(ctx)  # every step, before M's forward
-        with torch.no_grad(), record_function("momentum forward"):
+        # M's weights stay fp32 (an EMA's (1−m)-sized steps vanish in bf16), its forward runs at the live model's
+        # precision, as the teacher's and the live forwards do: in fp32 its GEMMs were half of CTP's device time (GPU)
+        dtype = next(ctx.model.parameters()).dtype
+        with torch.no_grad(), torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype != torch.float32), \
+                record_function("momentum forward"):
             m = forward_features(self.momentum_model, batch["image"], batch["text"])
         q_img, q_txt = self._queue("image", feats), self._queue("text", feats)
         tau = self.params["tau"]

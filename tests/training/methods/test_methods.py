@@ -191,6 +191,26 @@ def test_each_step_through_the_engines_hooks_moves_the_momentum_model(pair):
         assert torch.allclose(v, (old[k] + ema[k]) / 2, atol=1e-5), k
 
 
+def test_the_momentum_model_keeps_fp32_weights_and_runs_at_the_live_models_precision(pair):
+    """In bf16 training M's EMA stays in fp32 (its small steps would vanish in bf16) while its forward's matrix
+    products run in bf16, as the live and teacher forwards do; in fp32 training everything stays fp32."""
+    _, teacher, batch = pair
+    for dtype in (torch.bfloat16, torch.float32):
+        live = copy.deepcopy(teacher).to(dtype).requires_grad_(True)
+        ctp = build(resolve("ctp", [])).components[0]
+        ctx = _ctx(live, frozen(copy.deepcopy(teacher).to(dtype)))
+        ctp.prepare_model(live)
+        ctp.before_task(ctx)
+        seen = []
+        hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+                 for m in ctp.momentum_model.modules() if isinstance(m, torch.nn.Linear)]
+        ctp.loss_terms(ctx, batch, forward_features(live, batch["image"], batch["text"]))
+        for h in hooks:
+            h.remove()
+        assert seen and set(seen) == {dtype}, (dtype, set(seen))
+        assert {p.dtype for p in ctp.momentum_model.parameters()} == {torch.float32}
+
+
 def test_queue_is_a_fifo_of_fixed_length():
     q = Queue(6, 4, "cpu")
     assert q.rows.shape == (6, 4) and torch.allclose(q.rows.norm(dim=1), torch.ones(6))
