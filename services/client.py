@@ -229,7 +229,8 @@ class Client(_Calls):
     def search(self, text: Optional[str] = None, image: Optional[str | Path | bytes] = None,
                vector: Optional[Iterable[float]] = None, *, task: str = "", k: int = 10, target_modality: str = "",
                model_version: str = "", language: str = "") -> list[dict]:
-        """Hits best first, as dicts: item_id, task, score, modality, model_version, index_generation, caption."""
+        """Hits best first, as dicts: item_id, task, score, modality, model_version, index_generation, caption,
+        image_uri."""
         request = self._search_request(text, image, vector, task, k, target_modality, model_version, language)
         return self._hits(self._call(self.searcher.Search, request))
 

@@ -3,7 +3,8 @@
 import re
 from pathlib import Path
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
 
 
 def anchor(title: str) -> str:
@@ -21,6 +22,18 @@ def test_the_contents_list_is_the_headings_in_order():
     assert all(target == anchor(title) for _, title, target in listed)
 
 
+def anchors(text: str) -> set[str]:
+    return {anchor(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", text, re.M)}
+
+
 def test_every_link_to_a_section_lands_on_a_heading():
-    anchors = {anchor(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", README, re.M)}
-    assert sorted(set(re.findall(r"\]\(#([^)]+)\)", README)) - anchors) == []
+    """In README.md and benchmarks/README.md, to their own sections and to each other's; and every relative file
+    they link exists."""
+    texts = {path: (ROOT / path).read_text() for path in ("README.md", "benchmarks/README.md")}
+    for path, text in texts.items():
+        assert sorted(set(re.findall(r"\]\(#([^)]+)\)", text)) - anchors(text)) == [], path
+        for target, section in re.findall(r"\]\((?!https?:|#)([^)#\s]+)(?:#([^)\s]+))?\)", text):
+            resolved = ((ROOT / path).parent / target).resolve()
+            assert resolved.exists(), (path, target)
+            if section:
+                assert section in anchors(resolved.read_text()), (path, target, section)

@@ -63,14 +63,15 @@ def test_targets_are_written_next_to_the_results_for_the_summary_and_as_a_table(
     assert lines[-2:] == ["| a | 1.20 | ≤ 1.10 | **not met** (two extra forward passes) |", "| b | 1.00 | ≥ 0.90 | met |"]
 
 
-def test_every_results_file_the_readme_links_or_shows_is_committed():
-    """README's Performance quotes the results files and shows their plots: a renamed or dropped file would leave it
-    pointing at nothing."""
+def test_every_results_file_the_readmes_link_or_show_is_committed():
+    """README's Results and benchmarks/README.md quote the results files and show their plots: a renamed or dropped
+    file would leave them pointing at nothing."""
     import re
 
     root = Path(__file__).resolve().parents[2]
-    linked = set(re.findall(r"\((benchmarks/results/[^)\s]+)\)", (root / "README.md").read_text()))
-    assert {"benchmarks/results/summary.md", "benchmarks/results/search.png"} <= linked
+    linked = set(re.findall(r"\((benchmarks/results/[^)\s#]+)", (root / "README.md").read_text()))
+    linked |= {f"benchmarks/{p}" for p in re.findall(r"\((results/[^)\s#]+)", (root / "benchmarks/README.md").read_text())}
+    assert {"benchmarks/results/summary.md", "benchmarks/results/search.png", "benchmarks/results/methods.md"} <= linked
     assert [p for p in sorted(linked) if not (root / p).is_file()] == []
 
 
