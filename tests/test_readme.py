@@ -1,7 +1,10 @@
-"""README.md: its contents list is its headings, and every link to a section of it lands on one."""
+"""README.md: its contents list is its headings, every link lands (on a section, on a file), and every command it shows
+is one the CLI accepts; the same for benchmarks/README.md and k8s/README.md where they apply."""
 
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -37,3 +40,44 @@ def test_every_link_to_a_section_lands_on_a_heading():
             assert resolved.exists(), (path, target)
             if section:
                 assert section in anchors(resolved.read_text()), (path, target, section)
+
+
+def commands(text: str) -> list[list[str]]:
+    """Every `clipstream ...` command in the shell blocks of `text`: a line's own, or what follows `--` (a `ray job
+    submit`), up to a pipe, `&&`, `;` or `&`, without its redirections; continuation lines joined, comments dropped."""
+    import shlex
+
+    found = []
+    for block in re.findall(r"```(?:bash|sh)\n(.*?)```", text, re.S):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            tokens = shlex.split(line, comments=True)
+            segment: list[str] = []
+            redirected = False
+            for token in [*tokens, "|"]:
+                if token in (">", ">>", "2>", "<"):
+                    redirected = True
+                elif token in ("|", "&&", ";", "&"):
+                    start = next((i for i, t in enumerate(segment) if t == "clipstream" and (i == 0 or segment[i - 1] == "--")),
+                                 None)
+                    if start is not None:
+                        found.append(segment[start + 1:])
+                    segment, redirected = [], False
+                elif not redirected:
+                    segment.append(token)
+    return found
+
+
+@pytest.mark.parametrize("path", ["README.md", "benchmarks/README.md", "k8s/README.md"])
+def test_every_clipstream_command_the_docs_show_is_one_the_cli_accepts(path):
+    """A renamed command or option leaves no example behind: each parses with the CLI's own parser."""
+    from clipstream.cli.parser import parser
+
+    shown = commands((ROOT / path).read_text())
+    assert shown or path == "benchmarks/README.md"
+    refused = []
+    for argv in shown:
+        try:
+            parser().parse_args(argv)
+        except SystemExit:
+            refused.append(" ".join(["clipstream", *argv]))
+    assert refused == []
