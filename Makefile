@@ -14,7 +14,7 @@ CHECKOV := $(VENV)/checkov/bin/checkov
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE ?= ghcr.io/clipstream/clipstream
 
-.PHONY: setup demo cluster-demo test test-all test-cluster stubs clean images push-images k8s-base
+.PHONY: setup demo cluster-demo test test-all test-cluster stubs clean images push-images k8s-base wheels
 
 setup: $(STAMP) $(STUBS) $(K8S_TOOLS) $(CHECKOV)
 
@@ -78,6 +78,11 @@ images:
 demo: setup
 	$(VENV)/bin/clipstream demo
 
+# The two distributions as wheels in dist/: clipstream (everything) and clipstream-client (the Python client and
+# the gRPC stubs alone: grpcio, protobuf, numpy, no torch, Ray or MLflow; services/client-dist).
+wheels: setup
+	$(PY) -m pip wheel --no-deps --no-build-isolation -q -w dist . services/client-dist
+
 # The cluster path on this machine (clipstream.local_cluster.demo): 2 Ray nodes, an MLflow server, RayJobs through
 # the Jobs API, the chart's serveConfigV2 with `serve deploy`, promotion and gRPC search; stops all it started.
 cluster-demo: setup
@@ -98,4 +103,4 @@ test-cluster: setup
 	$(PY) -m pytest -m cluster tests
 
 clean:
-	rm -rf .clipstream clipstream/v1/*_pb2*
+	rm -rf .clipstream clipstream/v1/*_pb2* services/client-dist/clipstream/v1/*_pb2* services/client-dist/build

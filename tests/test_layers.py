@@ -43,6 +43,8 @@ def modules() -> dict[str, Path]:
     found = {}
     for folder, package in FOLDERS.items():
         for path in (ROOT / folder).rglob("*.py"):
+            if "client-dist" in path.parts:  # the client's own distribution: links to modules counted here
+                continue
             parts = path.relative_to(ROOT / folder).with_suffix("").parts
             parts = parts[:-1] if parts[-1] == "__init__" else parts
             found[".".join((package, *parts))] = path

@@ -1,0 +1,1 @@
+../../../clipstream/__init__.py

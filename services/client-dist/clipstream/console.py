@@ -1,0 +1,1 @@
+../../../clipstream/console.py

@@ -1,0 +1,1 @@
+../../../../clipstream/v1/__init__.py
