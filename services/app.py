@@ -19,9 +19,9 @@ from clipstream.settings import Settings, configure_process
 APP = "clipstream"
 # the first one is not a service: it makes the proxy say UNAVAILABLE for a dead replica (services/binding.py)
 GRPC_SERVICERS = ["clipstream.services.binding.retry_dead_replicas",
-                  "clipstream.v1.encoder_pb2_grpc.add_EncoderServicer_to_server",
-                  "clipstream.v1.search_pb2_grpc.add_SearchServicer_to_server",
-                  "clipstream.v1.admin_pb2_grpc.add_AdminServicer_to_server", "clipstream.services.health.add_health_service"]
+                  "clipstream.v1.encoder_pb2_grpc.add_EncoderServiceServicer_to_server",
+                  "clipstream.v1.search_pb2_grpc.add_SearchServiceServicer_to_server",
+                  "clipstream.v1.admin_pb2_grpc.add_AdminServiceServicer_to_server", "clipstream.services.health.add_health_service"]
 
 
 # Ray Serve's throughput settings (its RAY_SERVE_THROUGHPUT_OPTIMIZED mode, minus direct ingress, which

@@ -26,7 +26,7 @@ from clipstream.v1 import (
 
 API_KEY_HEADER = "x-api-key"  # the metadata key the server checks when Settings.api_key is set
 MAX_REQUEST_BYTES = 64 << 20  # the server's cap on one request message (services/app.py SERVE_ENV)
-SERVICES = ("clipstream.v1.Encoder", "clipstream.v1.Search", "clipstream.v1.Admin", "grpc.health.v1.Health")
+SERVICES = ("clipstream.v1.EncoderService", "clipstream.v1.SearchService", "clipstream.v1.AdminService", "grpc.health.v1.Health")
 
 
 def service_config(retries: int) -> str:
@@ -132,9 +132,9 @@ class _Calls:
         address, uri_tls = parse_address(address)
         self.address = address
         self.channel = channel(address, tls=tls or uri_tls, ca_file=ca_file, retries=retries, aio=aio)
-        self.encoder = encoder_pb2_grpc.EncoderStub(self.channel)
-        self.searcher = search_pb2_grpc.SearchStub(self.channel)
-        self.admin = admin_pb2_grpc.AdminStub(self.channel)
+        self.encoder = encoder_pb2_grpc.EncoderServiceStub(self.channel)
+        self.searcher = search_pb2_grpc.SearchServiceStub(self.channel)
+        self.admin = admin_pb2_grpc.AdminServiceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.timeout_s = timeout_s
         self.metadata = ((API_KEY_HEADER, api_key),) if api_key else None
@@ -168,12 +168,17 @@ class _Calls:
             raise ValueError("give exactly one of text, image or vector")
         query = ({"text": text} if text is not None else {"vector": search_pb2.Vector(values=list(vector))}
                  if vector is not None else {"image": image if isinstance(image, bytes) else Path(image).read_bytes()})
-        return search_pb2.SearchRequest(task=task, k=k, target_modality=target_modality, model_version=model_version,
+        if target_modality not in ("", "image", "text"):
+            raise ValueError(f"target_modality must be 'image', 'text' or '' (the query's other modality), "
+                             f"got {target_modality!r}")
+        modality = search_pb2.Modality.Value(f"MODALITY_{target_modality.upper()}") if target_modality else 0
+        return search_pb2.SearchRequest(task=task, k=k, target_modality=modality, model_version=model_version,
                                         language=language, **query)
 
     @staticmethod
     def _hits(response) -> list[dict]:
-        return [{"item_id": h.item_id, "task": h.task, "score": h.score, "modality": h.modality,
+        return [{"item_id": h.item_id, "task": h.task, "score": h.score,
+                 "modality": search_pb2.Modality.Name(h.modality).removeprefix("MODALITY_").lower(),
                  "model_version": h.model_version, "index_generation": h.index_generation,
                  "caption": h.caption or None, "image_uri": h.image_uri or None,
                  "query_model_version": response.query_model_version}
@@ -190,6 +195,10 @@ class _Calls:
     def _versions(response) -> list[dict]:
         return MessageToDict(response, preserving_proto_field_name=True,
                              always_print_fields_with_no_presence=True)["versions"]
+
+    @staticmethod
+    def _page(token: str, page_size: int):
+        return admin_pb2.ListVersionsRequest(page_token=token, page_size=page_size)
 
     @staticmethod
     def _health(response) -> str:
@@ -238,8 +247,14 @@ class Client(_Calls):
         """What the server holds: production and query versions, indexed tasks, loaded versions, problems."""
         return self._status(self._call(self.admin.GetStatus, admin_pb2.GetStatusRequest()))
 
-    def versions(self) -> list[dict]:
-        return self._versions(self._call(self.admin.ListVersions, admin_pb2.ListVersionsRequest()))
+    def versions(self, page_size: int = 0) -> list[dict]:
+        """Every registered version, newest first, asked for a page (`page_size`; 0: the server's 50) at a time."""
+        found, token = [], ""
+        while True:
+            response = self._call(self.admin.ListVersions, self._page(token, page_size))
+            found, token = found + self._versions(response), response.next_page_token
+            if not token:
+                return found
 
     def health(self, service: str = "") -> str:
         """The standard grpc.health.v1 status of `service` ('' = the server): SERVING, NOT_SERVING, ... ."""
@@ -303,8 +318,13 @@ class AsyncClient(_Calls):
     async def status(self) -> dict:
         return self._status(await self._call(self.admin.GetStatus, admin_pb2.GetStatusRequest()))
 
-    async def versions(self) -> list[dict]:
-        return self._versions(await self._call(self.admin.ListVersions, admin_pb2.ListVersionsRequest()))
+    async def versions(self, page_size: int = 0) -> list[dict]:
+        found, token = [], ""
+        while True:
+            response = await self._call(self.admin.ListVersions, self._page(token, page_size))
+            found, token = found + self._versions(response), response.next_page_token
+            if not token:
+                return found
 
     async def health(self, service: str = "") -> str:
         return self._health(await self._call(self.health_stub.Check, health_pb2.HealthCheckRequest(service=service)))

@@ -112,22 +112,27 @@ class Encoder:
         self._loader = load
 
     # ---- gRPC methods ----------------------------------------------------------------------------------
-    async def EncodeText(self, request: encoder_pb2.EncodeTextRequest, grpc_context=None) -> encoder_pb2.EncodeResponse:
-        return await self._answer(lambda: self._serve("text", list(request.texts), request.model_version, request.language),
-                                  encoder_pb2.EncodeResponse, grpc_context)
+    async def EncodeText(self, request: encoder_pb2.EncodeTextRequest,
+                         grpc_context=None) -> encoder_pb2.EncodeTextResponse:
+        return await self._answer(lambda: self._serve(encoder_pb2.EncodeTextResponse, "text", list(request.texts),
+                                                      request.model_version, request.language),
+                                  encoder_pb2.EncodeTextResponse, grpc_context)
 
-    async def EncodeImage(self, request: encoder_pb2.EncodeImageRequest, grpc_context=None) -> encoder_pb2.EncodeResponse:
-        return await self._answer(lambda: self._serve("image", list(request.images), request.model_version),
-                                  encoder_pb2.EncodeResponse, grpc_context)
+    async def EncodeImage(self, request: encoder_pb2.EncodeImageRequest,
+                          grpc_context=None) -> encoder_pb2.EncodeImageResponse:
+        return await self._answer(lambda: self._serve(encoder_pb2.EncodeImageResponse, "image", list(request.images),
+                                                      request.model_version),
+                                  encoder_pb2.EncodeImageResponse, grpc_context)
 
     async def Search(self, request: search_pb2.SearchRequest, grpc_context=None) -> search_pb2.SearchResponse:
         return await self._answer(lambda: self.search.search.remote(request), search_pb2.SearchResponse, grpc_context)
 
-    async def GetStatus(self, request: admin_pb2.GetStatusRequest, grpc_context=None) -> admin_pb2.Status:
-        return await self._answer(lambda: self.search.status.remote(), admin_pb2.Status, grpc_context)
+    async def GetStatus(self, request: admin_pb2.GetStatusRequest, grpc_context=None) -> admin_pb2.GetStatusResponse:
+        return await self._answer(lambda: self.search.status.remote(), admin_pb2.GetStatusResponse, grpc_context)
 
     async def ListVersions(self, request: admin_pb2.ListVersionsRequest, grpc_context=None) -> admin_pb2.ListVersionsResponse:
-        return await self._answer(lambda: self.search.versions.remote(), admin_pb2.ListVersionsResponse, grpc_context)
+        return await self._answer(lambda: self.search.versions.remote(request), admin_pb2.ListVersionsResponse,
+                                  grpc_context)
 
     # ---- Python methods (through deployment handles) ---------------------------------------------------
 
@@ -156,7 +161,8 @@ class Encoder:
             search, admin = await self.search.ready.remote(), True
         except Exception:
             search = admin = False
-        return {"clipstream.v1.Encoder": encoder, "clipstream.v1.Search": encoder and search, "clipstream.v1.Admin": admin}
+        return {"clipstream.v1.EncoderService": encoder, "clipstream.v1.SearchService": encoder and search,
+                "clipstream.v1.AdminService": admin}
 
     async def BatchSizes(self, request=None) -> list[int]:
         return list(self.batches_seen)
@@ -193,10 +199,10 @@ class Encoder:
             grpc_context.set_details(str(cause))
             return empty()
 
-    async def _serve(self, modality, items, model_version, language=""):
+    async def _serve(self, response, modality, items, model_version, language=""):
         version, vectors = await self.encode(modality, items, model_version, language)
-        return encoder_pb2.EncodeResponse(embeddings=[encoder_pb2.Embedding(values=v) for v in vectors.tolist()],
-                                          dim=vectors.shape[1], model_version=version)
+        return response(embeddings=[encoder_pb2.Embedding(values=v) for v in vectors.tolist()], dim=vectors.shape[1],
+                        model_version=version)
 
     def _version(self, ref: str) -> str:
         try:

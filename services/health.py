@@ -17,7 +17,7 @@ import logging
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-SERVICES = ("clipstream.v1.Encoder", "clipstream.v1.Search", "clipstream.v1.Admin")
+SERVICES = ("clipstream.v1.EncoderService", "clipstream.v1.SearchService", "clipstream.v1.AdminService")
 APP = "clipstream"  # clipstream.services.app.APP (not imported: see above)
 POLL_S = 1.0
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING

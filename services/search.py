@@ -10,10 +10,12 @@ production alias, so a query never changes encoder before the vectors it is rank
 from __future__ import annotations
 
 import asyncio
+import base64
 from datetime import datetime, timezone
 
 import grpc
 import numpy as np
+from google.protobuf.timestamp_pb2 import Timestamp
 from ray import serve
 from ray.exceptions import RayActorError
 
@@ -22,6 +24,16 @@ from clipstream.registry import PRODUCTION, Registry, RegistryError
 from clipstream.services.encoder import RequestError
 from clipstream.settings import configure_process
 from clipstream.v1 import admin_pb2, search_pb2
+
+MODALITY_NAMES = {search_pb2.MODALITY_IMAGE: "image", search_pb2.MODALITY_TEXT: "text"}
+MODALITY_VALUES = {name: value for value, name in MODALITY_NAMES.items()}
+PAGE_SIZE, MAX_PAGE_SIZE = 50, 1000  # ListVersions
+
+
+def timestamp(when: datetime) -> Timestamp:
+    out = Timestamp()
+    out.FromDatetime(when)
+    return out
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=64, health_check_period_s=2.0)
@@ -45,10 +57,11 @@ class Search:
         kind = request.WhichOneof("query")
         if kind is None:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no query: set text, image or vector")
-        target = request.target_modality or {"text": "image", "image": "text"}.get(kind, "")
+        target = (MODALITY_NAMES.get(request.target_modality, "") if request.target_modality
+                  else {"text": "image", "image": "text"}.get(kind, ""))
         if target not in MODALITIES:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"target_modality must be 'image' or 'text' (required for vector queries), got {target!r}")
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "target_modality must be MODALITY_IMAGE or "
+                               f"MODALITY_TEXT (required for vector queries), got {request.target_modality}")
         k = request.k or 10
         if not 1 <= k <= MAX_K:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"k must be in [1, {MAX_K}], got {k}")
@@ -74,7 +87,7 @@ class Search:
             if (state["generation"], state.get("query_version")) == pinned or request.model_version:
                 break
         return search_pb2.SearchResponse(query_model_version=version, hits=[
-            search_pb2.Hit(item_id=h.item_id, task=h.task, score=h.score, modality=h.modality,
+            search_pb2.Hit(item_id=h.item_id, task=h.task, score=h.score, modality=MODALITY_VALUES[h.modality],
                            model_version=h.model_version, index_generation=h.index_generation, caption=h.caption or "",
                            image_uri=h.image_uri or "")
             for h in hits])
@@ -95,7 +108,7 @@ class Search:
         """Whether searches can be answered: a gallery is indexed."""
         return bool(self.index.state()["tasks"])
 
-    async def status(self) -> admin_pb2.Status:
+    async def status(self) -> admin_pb2.GetStatusResponse:
         state, problems = self.index.state(), []
         try:
             production = self.registry.number(PRODUCTION)
@@ -117,20 +130,34 @@ class Search:
             missing = [t for t in self.registry.resolve(production, download=False).tasks if t not in state["tasks"]]
             if missing:
                 problems.append(f"production v{production} was trained on task(s) {missing} that are not indexed")
-        return admin_pb2.Status(
+        return admin_pb2.GetStatusResponse(
             stream=self.settings.stream, production_version=production, query_version=query,
             index_generation=state["generation"], loaded_versions=await self.encoder.loaded.remote(),
             consistent=not problems, problems=problems, tasks=[
                 admin_pb2.IndexedTask(task=name, task_index=t["task_index"], model_version=t["model_version"],
-                                      images=t["counts"]["image"], texts=t["counts"]["text"], indexed_at=t["indexed_at"])
+                                      images=t["counts"]["image"], texts=t["counts"]["text"],
+                                      indexed_at=timestamp(datetime.fromisoformat(t["indexed_at"])))
                 for name, t in sorted(state["tasks"].items(), key=lambda kv: kv[1]["task_index"])])
 
-    async def versions(self) -> admin_pb2.ListVersionsResponse:
-        loaded = set(await self.encoder.loaded.remote())
-        return admin_pb2.ListVersionsResponse(versions=[  # newest first
-            admin_pb2.ModelVersion(
+    async def versions(self, request: admin_pb2.ListVersionsRequest) -> admin_pb2.ListVersionsResponse:
+        """A page of the registered versions, newest first. The page token names the last version a page held, so
+        the next page starts below it however many versions are registered meanwhile (AIP-158)."""
+        size = min(request.page_size or PAGE_SIZE, MAX_PAGE_SIZE)  # (over the most: coerced, as AIP-158 says)
+        newest = list(reversed(self.registry.versions()))
+        if request.page_token:
+            try:
+                below = int(base64.urlsafe_b64decode(request.page_token.encode()).decode().removeprefix("below:"))
+            except ValueError:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"page_token {request.page_token!r} is not one "
+                                   "a ListVersionsResponse gave: pass its next_page_token, or none for the first page")
+            newest = [v for v in newest if int(v.version) < below]
+        page, loaded = newest[:size], set(await self.encoder.loaded.remote())
+        more = len(newest) > size
+        return admin_pb2.ListVersionsResponse(
+            next_page_token=base64.urlsafe_b64encode(f"below:{page[-1].version}".encode()).decode() if more else "",
+            versions=[admin_pb2.ModelVersion(
                 version=v.version, task=v.tags.get("task", ""), task_index=int(v.tags.get("task_index") or 0),
                 method=v.tags.get("method", ""), parent_version=v.tags.get("parent_version", ""),
                 aliases=v.aliases, loaded=v.version in loaded,
-                created_at=datetime.fromtimestamp(v.created_ms / 1000, timezone.utc).isoformat(timespec="seconds"))
-            for v in reversed(self.registry.versions())])
+                created_at=timestamp(datetime.fromtimestamp(v.created_ms / 1000, timezone.utc)))
+                for v in page])

@@ -317,7 +317,7 @@ def served(ray_cluster, tmp_path_factory):
     app.start(settings)
     channel = grpc.insecure_channel(f"127.0.0.1:{settings.grpc_port}")
     grpc.channel_ready_future(channel).result(timeout=60)
-    yield settings, channel, encoder_pb2_grpc.EncoderStub(channel), (v1, v2)
+    yield settings, channel, encoder_pb2_grpc.EncoderServiceStub(channel), (v1, v2)
     channel.close()
     serve.shutdown()
 
@@ -341,4 +341,4 @@ def indexed(served):
             img, txt = bundle.embed_images([png(c) for c in COLOURS]), bundle.embed_texts(captions)
             index.append(TaskVectors(task, t, v1, [f"{task}-{i}" for i in range(len(COLOURS))], img, txt, captions,
                                      image_uris=[f"s3://bucket/{task}/{i}.png" for i in range(len(COLOURS))]))
-    return settings, search_pb2_grpc.SearchStub(channel), bundle, v1
+    return settings, search_pb2_grpc.SearchServiceStub(channel), bundle, v1

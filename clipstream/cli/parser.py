@@ -346,7 +346,7 @@ def parser() -> argparse.ArgumentParser:
     cf.set_defaults(func=config._config)
 
     hc = sub.add_parser("health", help="check the running service with grpc.health.v1 (exit 0 when SERVING)")
-    hc.add_argument("--service", default="", help="a service name such as clipstream.v1.Search (default: the server)")
+    hc.add_argument("--service", default="", help="a service name such as clipstream.v1.SearchService (default: the server)")
     hc.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
                     help="how long to wait for an answer; a server that is down fails at once, exit 3 (no retries)")
     client_args(hc)

@@ -54,17 +54,17 @@ TEXT_CASES = [
 ]
 SEARCH_CASES = [
     ("no query", {}, C.INVALID_ARGUMENT, "no query"),
-    ("NaN vector", {"vector": search_pb2.Vector(values=[float("nan")] * 64), "target_modality": "image"},
+    ("NaN vector", {"vector": search_pb2.Vector(values=[float("nan")] * 64), "target_modality": search_pb2.MODALITY_IMAGE},
      C.INVALID_ARGUMENT, "NaN or infinite"),
-    ("inf vector", {"vector": search_pb2.Vector(values=[float("inf")] + [0.0] * 63), "target_modality": "image"},
+    ("inf vector", {"vector": search_pb2.Vector(values=[float("inf")] + [0.0] * 63), "target_modality": search_pb2.MODALITY_IMAGE},
      C.INVALID_ARGUMENT, "NaN or infinite"),
-    ("wrong-length vector", {"vector": search_pb2.Vector(values=[0.1] * 7), "target_modality": "image"},
+    ("wrong-length vector", {"vector": search_pb2.Vector(values=[0.1] * 7), "target_modality": search_pb2.MODALITY_IMAGE},
      C.INVALID_ARGUMENT, "dimension"),
-    ("zero vector", {"vector": search_pb2.Vector(values=[0.0] * 64), "target_modality": "image"},
+    ("zero vector", {"vector": search_pb2.Vector(values=[0.0] * 64), "target_modality": search_pb2.MODALITY_IMAGE},
      C.INVALID_ARGUMENT, "zero vector"),
     ("vector without a target modality", {"vector": search_pb2.Vector(values=[0.1] * 64)}, C.INVALID_ARGUMENT,
      "target_modality"),
-    ("unknown target modality", {"text": "a cup", "target_modality": "audio"}, C.INVALID_ARGUMENT, "target_modality"),
+    ("unknown target modality", {"text": "a cup", "target_modality": 7}, C.INVALID_ARGUMENT, "target_modality"),
     ("k = 10^6", {"text": "a cup", "k": 1_000_000}, C.INVALID_ARGUMENT, "k must be in"),
     ("unknown task", {"text": "a cup", "task": "nope"}, C.NOT_FOUND, "unknown task"),
     ("task with a path in it", {"text": "a cup", "task": "../squares"}, C.NOT_FOUND, "unknown task"),
@@ -128,7 +128,7 @@ def raw(channel, method: str, response):
 
 def test_k_minus_1_on_the_wire_is_invalid_argument(served, indexed, before):
     """k is uint32: -1 from a client whose language has signed ints arrives as 2^32 - 1."""
-    call = raw(served[1], "/clipstream.v1.Search/Search", search_pb2.SearchResponse)
+    call = raw(served[1], "/clipstream.v1.SearchService/Search", search_pb2.SearchResponse)
     wire = search_pb2.SearchRequest(text="a cup").SerializeToString() + b"\x30" + b"\xff" * 9 + b"\x01"
     check(lambda: call(wire, timeout=30), C.INVALID_ARGUMENT, "k must be in [1, 1000], got 4294967295")
 
@@ -137,7 +137,7 @@ def test_non_utf8_text_on_the_wire_is_refused_before_any_replica(served, before)
     """Field 1 (texts) holding 0xff 0xfe: Serve's proxy cannot parse the message and answers UNKNOWN with protobuf's
     reason (no traceback); it never reaches a replica. (INVALID_ARGUMENT would be the right code: Serve's proxy
     parses requests itself and offers no hook for the status of a parse failure.)"""
-    call = raw(served[1], "/clipstream.v1.Encoder/EncodeText", encoder_pb2.EncodeResponse)
+    call = raw(served[1], "/clipstream.v1.EncoderService/EncodeText", encoder_pb2.EncodeTextResponse)
     check(lambda: call(b"\x0a\x02\xff\xfe", timeout=30), C.UNKNOWN, "bad UTF-8")
 
 
@@ -154,5 +154,6 @@ def test_afterwards_the_server_is_healthy_and_nothing_stored_changed(served, ind
     check_health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
     assert check_health.status == health_pb2.HealthCheckResponse.SERVING
     assert len(stub.EncodeText(encoder_pb2.EncodeTextRequest(texts=["a red cup"])).embeddings) == 1
-    assert len(search_pb2_grpc.SearchStub(channel).Search(search_pb2.SearchRequest(text="a red square", k=3)).hits) == 3
+    search = search_pb2_grpc.SearchServiceStub(channel)
+    assert len(search.Search(search_pb2.SearchRequest(text="a red square", k=3)).hits) == 3
     assert fingerprint(settings) == before

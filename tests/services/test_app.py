@@ -97,8 +97,8 @@ def test_the_first_servicer_function_makes_a_dead_replica_retryable():
     first, encoder = (import_attr(path) for path in GRPC_SERVICERS[:2])
     first(Mock(), server)
     encoder(Mock(), server)
-    assert made and all(m.startswith("/clipstream.v1.Encoder/") for m in made)
-    unary = server.generic_rpc_handlers[0][0]._method_handlers["/clipstream.v1.Encoder/EncodeText"].unary_unary
+    assert made and all(m.startswith("/clipstream.v1.EncoderService/") for m in made)
+    unary = server.generic_rpc_handlers[0][0]._method_handlers["/clipstream.v1.EncoderService/EncodeText"].unary_unary
     assert unary.__qualname__.startswith("_aborting.")  # ours: aborts (trailers-only), which the client retries
     status = proxy.get_grpc_response_status(RayActorError(), 10.0, "request-id")
     assert status.code == grpc.StatusCode.UNAVAILABLE and status.is_error

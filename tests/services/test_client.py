@@ -192,8 +192,8 @@ def test_cli_health_is_a_probe(served, indexed, capsys):
     wait_serving(served[1])
     address = f"127.0.0.1:{served[0].grpc_port}"
     assert main(["health", "--address", address]) == 0
-    assert main(["health", "--address", address, "--service", "clipstream.v1.Search"]) == 0
+    assert main(["health", "--address", address, "--service", "clipstream.v1.SearchService"]) == 0
     assert capsys.readouterr().out.splitlines() == [f"{address} (server): SERVING",
-                                                    f"{address} clipstream.v1.Search: SERVING"]
+                                                    f"{address} clipstream.v1.SearchService: SERVING"]
     assert main(["health", "--address", address, "--service", "clipstream.v1.Nope"]) == 2
     assert "NOT_FOUND" in capsys.readouterr().err

@@ -90,22 +90,22 @@ def test_health_and_reflection_work_without_our_stubs(served, indexed):
     _, channel, _, (v1, _) = served
     wait_serving(channel)  # a production model and a gallery are in place
     health = health_pb2_grpc.HealthStub(channel)
-    for service in ("", "clipstream.v1.Encoder"):
+    for service in ("", "clipstream.v1.EncoderService"):
         assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
 
     reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
     listed = next(reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in listed.list_services_response.service}
-    assert {"clipstream.v1.Encoder", "clipstream.v1.Search", "clipstream.v1.Admin", "grpc.health.v1.Health"} <= names
+    assert {"clipstream.v1.EncoderService", "clipstream.v1.SearchService", "clipstream.v1.AdminService", "grpc.health.v1.Health"} <= names
     found = next(reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
-        file_containing_symbol="clipstream.v1.Encoder")])))
+        file_containing_symbol="clipstream.v1.EncoderService")])))
     pool = descriptor_pool.DescriptorPool()
     for raw in found.file_descriptor_response.file_descriptor_proto:
         pool.Add(descriptor_pb2.FileDescriptorProto.FromString(raw))
-    method = pool.FindServiceByName("clipstream.v1.Encoder").FindMethodByName("EncodeText")
+    method = pool.FindServiceByName("clipstream.v1.EncoderService").FindMethodByName("EncodeText")
     request_cls = message_factory.GetMessageClass(method.input_type)
     response_cls = message_factory.GetMessageClass(method.output_type)
-    call = channel.unary_unary("/clipstream.v1.Encoder/EncodeText", request_serializer=request_cls.SerializeToString,
+    call = channel.unary_unary("/clipstream.v1.EncoderService/EncodeText", request_serializer=request_cls.SerializeToString,
                                response_deserializer=response_cls.FromString)
     response = call(request_cls(texts=["a red triangle"]))
     assert response.model_version == v1 and len(response.embeddings[0].values) == response.dim == 64

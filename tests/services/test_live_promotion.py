@@ -67,7 +67,7 @@ def test_health_tells_the_truth(live):
     """NOT_SERVING while no model and no gallery are in place (the app was running, nothing promoted), SERVING
     once promotion put them there (the fixture waited for it)."""
     *_, before = live
-    assert {before[s] for s in ("", "clipstream.v1.Encoder", "clipstream.v1.Search")} == {"NOT_SERVING"}, before
+    assert {before[s] for s in ("", "clipstream.v1.EncoderService", "clipstream.v1.SearchService")} == {"NOT_SERVING"}, before
     # (Admin answers status with nothing in place, once the app runs: it may already say SERVING)
 
 
@@ -105,16 +105,16 @@ def test_the_cli_speaks_tls(live, capsys, monkeypatch):
 
 def test_without_the_api_key_every_rpc_is_unauthenticated_but_probes_answer(live):
     settings, secure, *_ = live
-    calls = [lambda md: encoder_pb2_grpc.EncoderStub(secure).EncodeText(
+    calls = [lambda md: encoder_pb2_grpc.EncoderServiceStub(secure).EncodeText(
                  encoder_pb2.EncodeTextRequest(texts=["a cup"]), metadata=md),
-             lambda md: admin_pb2_grpc.AdminStub(secure).GetStatus(admin_pb2.GetStatusRequest(), metadata=md)]
+             lambda md: admin_pb2_grpc.AdminServiceStub(secure).GetStatus(admin_pb2.GetStatusRequest(), metadata=md)]
     for call in calls:
         for metadata in (None, (("x-api-key", "wrong"),)):
             with pytest.raises(grpc.RpcError) as err:
                 call(metadata)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "x-api-key" in err.value.details()
         assert call((("x-api-key", KEY),)) is not None
-    check = health_pb2_grpc.HealthStub(secure).Check(health_pb2.HealthCheckRequest(service="clipstream.v1.Search"))
+    check = health_pb2_grpc.HealthStub(secure).Check(health_pb2.HealthCheckRequest(service="clipstream.v1.SearchService"))
     assert check.status == health_pb2.HealthCheckResponse.SERVING
     with Client(f"127.0.0.1:{settings.grpc_port}", tls=True, ca_file=settings.tls_cert_file) as anonymous:
         with pytest.raises(grpc.RpcError) as err:

@@ -251,9 +251,9 @@ to the running cluster in place; with serve.autoscaling, Serve scales the Encode
 {{- define "clipstream.serveConfig" -}}
 {{- $grpc := dict "port" (int .Values.settings.grpc_port) "enable_reflection" true "grpc_servicer_functions" (list
   "clipstream.services.binding.retry_dead_replicas"
-  "clipstream.v1.encoder_pb2_grpc.add_EncoderServicer_to_server"
-  "clipstream.v1.search_pb2_grpc.add_SearchServicer_to_server"
-  "clipstream.v1.admin_pb2_grpc.add_AdminServicer_to_server"
+  "clipstream.v1.encoder_pb2_grpc.add_EncoderServiceServicer_to_server"
+  "clipstream.v1.search_pb2_grpc.add_SearchServiceServicer_to_server"
+  "clipstream.v1.admin_pb2_grpc.add_AdminServiceServicer_to_server"
   "clipstream.services.health.add_health_service") }}
 {{- $args := dict }}
 {{- range $field, $value := .Values.settings }}
