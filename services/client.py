@@ -12,7 +12,9 @@ from typing import Iterable, Optional, Sequence
 import grpc
 import numpy as np
 from google.protobuf.json_format import MessageToDict
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
 
 from clipstream import console
 from clipstream.v1 import (
@@ -54,11 +56,15 @@ def channel(address: str, *, tls: bool = False, ca_file: Optional[str | Path] = 
 
 class RpcError(grpc.RpcError):
     """A clipstream RPC that failed: `code()` and `details()` as grpc.RpcError's (it is one), `exc.status` the
-    grpc.StatusCode; a subclass per status a caller acts on differently."""
+    grpc.StatusCode; a subclass per status a caller acts on differently. From the status's google.rpc details, when
+    the server sent them: `reason` (ErrorInfo's, e.g. TEXT_TOO_LONG, K_OUT_OF_RANGE), `metadata` (ErrorInfo's, e.g.
+    the limit) and `field_violations` (BadRequest's: [(field, description)], e.g. ("texts[3]", ...))."""
 
-    def __init__(self, status: grpc.StatusCode, details: str):
+    def __init__(self, status: grpc.StatusCode, details: str, reason: str = "", metadata: Optional[dict] = None,
+                 field_violations: Sequence[tuple[str, str]] = ()):
         super().__init__(f"{status.name}: {details}")
         self.status, self._details = status, details
+        self.reason, self.metadata, self.field_violations = reason, dict(metadata or {}), list(field_violations)
 
     def code(self) -> grpc.StatusCode:
         return self.status
@@ -102,10 +108,25 @@ TYPED = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.NOT_
 
 
 def typed(exc: grpc.RpcError) -> RpcError:
-    """The typed exception of a raw gRPC error (RpcError itself for a status without its own class)."""
+    """The typed exception of a raw gRPC error (RpcError itself for a status without its own class), with the
+    ErrorInfo and BadRequest of its google.rpc status details where the server sent them."""
     status = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
     details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
-    return TYPED.get(status, RpcError)(status, details or "")
+    reason, metadata, violations = "", {}, []
+    try:
+        rich = rpc_status.from_call(exc) if callable(getattr(exc, "trailing_metadata", None)) else None
+    except ValueError:  # details that disagree with the call's own code or message: not this call's
+        rich = None
+    for detail in rich.details if rich is not None else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            reason, metadata = info.reason, dict(info.metadata)
+        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            violations += [(v.field, v.description) for v in bad.field_violations]
+    return TYPED.get(status, RpcError)(status, details or "", reason, metadata, violations)
 
 
 def parse_address(uri: str) -> tuple[str, bool]:

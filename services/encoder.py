@@ -29,6 +29,8 @@ import grpc
 import numpy as np
 import ray
 import torch
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 from PIL import UnidentifiedImageError
 from ray import serve
 from ray.serve.metrics import Gauge
@@ -40,19 +42,37 @@ from clipstream.services.encoding import ModelPath
 from clipstream.settings import configure_process
 from clipstream.v1 import admin_pb2, encoder_pb2, search_pb2
 
+ERROR_DOMAIN = "clipstream.v1"  # google.rpc.ErrorInfo.domain of every error this service gives
+
 logger = logging.getLogger("ray.serve")
 CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # C0 controls (but tab, newline, CR) and DEL
 
 
 class RequestError(Exception):
-    """A refused request and the gRPC status that says why; survives Ray's trip between deployments."""
+    """A refused request and the gRPC status that says why; survives Ray's trip between deployments. `reason` (a
+    constant in UPPER_SNAKE_CASE) and `metadata` become the status's google.rpc.ErrorInfo, `field` (the request field
+    at fault, e.g. `texts[3]`) a google.rpc.BadRequest violation: what a program acts on without parsing the
+    message."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "", field: str = "",
+                 metadata: dict | None = None):
         super().__init__(message)
-        self.code = code
+        self.code, self.reason, self.field, self.metadata = code, reason or code.name, field, dict(metadata or {})
 
     def __reduce__(self):
-        return RequestError, (self.code, str(self))
+        return RequestError, (self.code, str(self), self.reason, self.field, self.metadata)
+
+    def rich_status(self) -> status_pb2.Status:
+        """The google.rpc.Status the client reads from the trailing metadata (grpc-status-details-bin)."""
+        details = [error_details_pb2.ErrorInfo(reason=self.reason, domain=ERROR_DOMAIN,
+                                               metadata={k: str(v) for k, v in self.metadata.items()})]
+        if self.field:
+            details.append(error_details_pb2.BadRequest(field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(field=self.field, description=str(self))]))
+        status = status_pb2.Status(code=self.code.value[0], message=str(self))
+        for detail in details:
+            status.details.add().Pack(detail)
+        return status
 
 
 def _unexpected(exc: Exception) -> RequestError:
@@ -70,9 +90,9 @@ def _unexpected(exc: Exception) -> RequestError:
             ConnectionError, TimeoutError, MlflowException)
     if isinstance(exc, gone) or isinstance(getattr(exc, "cause", None), gone):  # (RayTaskError: the remote cause)
         return RequestError(grpc.StatusCode.UNAVAILABLE, f"a serving component is unavailable ({type(exc).__name__}, "
-                            f"incident {incident}): retry shortly")
+                            f"incident {incident}): retry shortly", "COMPONENT_UNAVAILABLE", metadata={"incident": incident})
     return RequestError(grpc.StatusCode.INTERNAL, f"internal error, incident {incident}: the server's log has the "
-                        "details; please report it")
+                        "details; please report it", "INTERNAL_ERROR", metadata={"incident": incident})
 
 
 # A replica that dies is noticed by Serve's health check, and only then do routers stop sending it requests
@@ -179,7 +199,8 @@ class Encoder:
         sent = dict(grpc_context.invocation_metadata()).get(API_KEY_HEADER, "") if grpc_context else ""
         if not hmac.compare_digest(sent.encode(), key.encode()):
             raise RequestError(grpc.StatusCode.UNAUTHENTICATED,
-                               f"missing or wrong API key: send it as gRPC metadata {API_KEY_HEADER!r}")
+                               f"missing or wrong API key: send it as gRPC metadata {API_KEY_HEADER!r}",
+                               "API_KEY_INVALID", metadata={"header": API_KEY_HEADER})
 
     async def _answer(self, work, empty, grpc_context):
         """Authorize, then await `work()`; a RequestError (ours, or Search's re-raised by Ray) becomes the
@@ -197,6 +218,7 @@ class Encoder:
                 cause = _unexpected(exc)
             grpc_context.set_code(cause.code)
             grpc_context.set_details(str(cause))
+            grpc_context.set_trailing_metadata(list(rpc_status.to_status(cause.rich_status()).trailing_metadata))
             return empty()
 
     async def _serve(self, response, modality, items, model_version, language=""):
@@ -208,9 +230,9 @@ class Encoder:
         try:
             return self.registry.number(ref)
         except RegistryUnavailable as exc:  # (never for a version already seen: see Registry.number)
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{exc}: retry shortly") from exc
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{exc}: retry shortly", "REGISTRY_UNAVAILABLE") from exc
         except RegistryError as exc:
-            raise RequestError(grpc.StatusCode.NOT_FOUND, str(exc)) from exc
+            raise RequestError(grpc.StatusCode.NOT_FOUND, str(exc), "VERSION_NOT_FOUND", "model_version") from exc
         finally:
             self._staleness.set(self.registry.staleness_s())
 
@@ -227,38 +249,46 @@ class Encoder:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"model version {version} was not trained on language {language!r} (it knows "
                                f"{', '.join(known.languages) or 'none'}; tokenizer {known.tags.get('tokenizer') or 'clip-bpe'}): "
-                               "ask a version that learnt it, or leave `language` empty to encode the text anyway")
+                               "ask a version that learnt it, or leave `language` empty to encode the text anyway",
+                               "LANGUAGE_NOT_TRAINED", "language",
+                               {"model_version": version, "languages": ",".join(known.languages)})
 
     def _validate(self, modality: str, items: list) -> list:
         if not items:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"empty batch: send at least one {modality}")
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"empty batch: send at least one {modality}",
+                               "EMPTY_BATCH", f"{modality}s")
         limits = self.settings
         if len(items) > limits.serve_max_items:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"{len(items)} {modality}s in one request; the limit is {limits.serve_max_items}: "
-                               "split the request (the Python client does this for you)")
+                               "split the request (the Python client does this for you)", "TOO_MANY_ITEMS",
+                               f"{modality}s", {"limit": limits.serve_max_items})
         if modality == "text":
             for i, text in enumerate(items):
                 if not text.strip():
-                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"text {i} is empty")
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"text {i} is empty", "EMPTY_TEXT", f"texts[{i}]")
                 control = CONTROL.search(text)
                 if control:
                     raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"text {i} holds control character "
-                                       f"{control.group()!r} at {control.start()}: send plain text (tabs and newlines are fine)")
+                                       f"{control.group()!r} at {control.start()}: send plain text (tabs and newlines are fine)",
+                                       "CONTROL_CHARACTER", f"texts[{i}]")
                 if len(text) > limits.serve_max_text_chars:
                     raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                       f"text {i} has {len(text)} characters; the limit is {limits.serve_max_text_chars}")
+                                       f"text {i} has {len(text)} characters; the limit is {limits.serve_max_text_chars}",
+                                       "TEXT_TOO_LONG", f"texts[{i}]", {"limit": limits.serve_max_text_chars})
             return items
         images = []
         for i, data in enumerate(items):
             if len(data) > limits.serve_max_image_bytes:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"image {i} is {len(data)} bytes; the limit is {limits.serve_max_image_bytes} bytes")
+                                   f"image {i} is {len(data)} bytes; the limit is {limits.serve_max_image_bytes} bytes",
+                                   "IMAGE_TOO_LARGE", f"images[{i}]", {"limit": limits.serve_max_image_bytes})
             try:
                 images.append(load_image(data))
             except (UnidentifiedImageError, OSError, ValueError) as exc:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"image {i} is not a decodable image (PNG, JPEG, WebP...): {exc}") from exc
+                                   f"image {i} is not a decodable image (PNG, JPEG, WebP...): {exc}",
+                                   "IMAGE_NOT_DECODABLE", f"images[{i}]") from exc
         return images
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)

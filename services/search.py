@@ -56,21 +56,26 @@ class Search:
     async def search(self, request: search_pb2.SearchRequest) -> search_pb2.SearchResponse:
         kind = request.WhichOneof("query")
         if kind is None:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no query: set text, image or vector")
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no query: set text, image or vector", "QUERY_MISSING",
+                               "query")
         target = (MODALITY_NAMES.get(request.target_modality, "") if request.target_modality
                   else {"text": "image", "image": "text"}.get(kind, ""))
         if target not in MODALITIES:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "target_modality must be MODALITY_IMAGE or "
-                               f"MODALITY_TEXT (required for vector queries), got {request.target_modality}")
+                               f"MODALITY_TEXT (required for vector queries), got {request.target_modality}",
+                               "TARGET_MODALITY_INVALID", "target_modality")
         k = request.k or 10
         if not 1 <= k <= MAX_K:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"k must be in [1, {MAX_K}], got {k}")
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"k must be in [1, {MAX_K}], got {k}", "K_OUT_OF_RANGE",
+                               "k", {"max": MAX_K})
         state = self.index.state()
         if not state["tasks"]:
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "the index is empty: run `clipstream index` first")
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "the index is empty: run `clipstream index` first",
+                               "INDEX_EMPTY")
         if request.task and request.task not in state["tasks"]:
             raise RequestError(grpc.StatusCode.NOT_FOUND,
-                               f"unknown task {request.task!r}; indexed tasks: {', '.join(sorted(state['tasks']))}")
+                               f"unknown task {request.task!r}; indexed tasks: {', '.join(sorted(state['tasks']))}",
+                               "TASK_NOT_FOUND", "task")
         for _ in range(3):  # optimistic: redo the query if the gallery or its pin moved while it ran
             version, pinned = "", (state["generation"], state.get("query_version"))
             if kind == "vector":
@@ -82,7 +87,7 @@ class Search:
             try:
                 hits = self.index.search(vector, target, request.task or None, k)
             except VectorIndexError as exc:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "VECTOR_INVALID", "vector") from exc
             state = self.index.state()
             if (state["generation"], state.get("query_version")) == pinned or request.model_version:
                 break
@@ -149,7 +154,8 @@ class Search:
                 below = int(base64.urlsafe_b64decode(request.page_token.encode()).decode().removeprefix("below:"))
             except ValueError:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"page_token {request.page_token!r} is not one "
-                                   "a ListVersionsResponse gave: pass its next_page_token, or none for the first page")
+                                   "a ListVersionsResponse gave: pass its next_page_token, or none for the first page",
+                                   "PAGE_TOKEN_INVALID", "page_token")
             newest = [v for v in newest if int(v.version) < below]
         page, loaded = newest[:size], set(await self.encoder.loaded.remote())
         more = len(newest) > size

@@ -69,7 +69,8 @@ CLIENT_FILES = {"clipstream/__init__.py", "clipstream/console.py", "clipstream/s
                 "clipstream/services/__init__.py", "clipstream/services/client.py", "clipstream/v1/__init__.py",
                 *(f"clipstream/v1/{proto}_pb2{kind}" for proto in ("encoder", "search", "admin")
                   for kind in (".py", ".pyi", "_grpc.py"))}
-CLIENT_DEPENDENCIES = {"grpcio", "grpcio-health-checking", "protobuf", "numpy", "tqdm", "pydantic-settings", "pyyaml"}
+CLIENT_DEPENDENCIES = {"grpcio", "grpcio-health-checking", "grpcio-status", "protobuf", "numpy", "tqdm",
+                       "pydantic-settings", "pyyaml"}
 
 
 @pytest.fixture(scope="module")

@@ -173,8 +173,9 @@ def test_the_async_client_pipelines_chunks_and_answers_as_the_client_does(served
         async with AsyncClient(address, in_flight=4) as client:
             vectors = await client.encode_text(captions, batch_size=8)  # 19 chunks (the test app takes 8), 4 at a time
             found = await client.search(text="a red square", task="squares", k=3)
-            with pytest.raises(NotFound):
+            with pytest.raises(NotFound) as missing:
                 await client.search(text="a cup", task="nope")
+            assert (missing.value.reason, missing.value.field_violations[0][0]) == ("TASK_NOT_FOUND", "task")
             return vectors, found, await client.health()
 
     (vectors, got_version), found, health = asyncio.run(calls())
@@ -197,3 +198,28 @@ def test_cli_health_is_a_probe(served, indexed, capsys):
                                                     f"{address} clipstream.v1.SearchService: SERVING"]
     assert main(["health", "--address", address, "--service", "clipstream.v1.Nope"]) == 2
     assert "NOT_FOUND" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("call, kind, reason, field, metadata", [
+    (lambda c: c.search(text="a cup", task="nope"), "NotFound", "TASK_NOT_FOUND", "task", {}),
+    (lambda c: c.search(text="a cup", k=5000), "InvalidArgument", "K_OUT_OF_RANGE", "k", {"max": "1000"}),
+    (lambda c: c.encode_text(["a cup", ""]), "InvalidArgument", "EMPTY_TEXT", "texts[1]", {}),
+    (lambda c: c.encode_text(["x" * 100_000]), "ResourceExhausted", "TEXT_TOO_LONG", "texts[0]", None),
+    (lambda c: c.encode_image([b"garbage"]), "InvalidArgument", "IMAGE_NOT_DECODABLE", "images[0]", {}),
+    (lambda c: c.encode_text(["a cup"], model_version="4242"), "NotFound", "VERSION_NOT_FOUND", "model_version", {}),
+])
+def test_errors_carry_google_rpc_details_that_the_client_reads(served, indexed, call, kind, reason, field, metadata):
+    """Each refusal's status carries a google.rpc ErrorInfo (a reason a program can switch on, domain clipstream.v1)
+    and, for a bad field, a BadRequest naming it: the client's typed exception exposes both."""
+    import clipstream.services.client as client_module
+
+    with Client(f"grpc://127.0.0.1:{served[0].grpc_port}") as client:
+        with pytest.raises(client_module.RpcError) as err:
+            call(client)
+    assert type(err.value).__name__ == kind and err.value.reason == reason
+    assert [f for f, _ in err.value.field_violations] == [field]
+    assert err.value.field_violations[0][1] == err.value.details()  # the violation's description is the message
+    if metadata is not None:
+        assert err.value.metadata == metadata
+    else:
+        assert set(err.value.metadata) == {"limit"}
