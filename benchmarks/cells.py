@@ -130,8 +130,10 @@ def code_version() -> str:
         return rev
     from importlib.metadata import PackageNotFoundError, version
 
+    from clipstream import DISTRIBUTION
+
     try:
-        return f"clipstream {version('clipstream')}"
+        return f"clipstream {version(DISTRIBUTION)}"
     except PackageNotFoundError:
         return "unknown"
 

@@ -215,7 +215,7 @@ class KubeRayJobs:
         try:
             import kubernetes
         except ImportError as exc:
-            raise SetupError("the Kubernetes mode needs the `kubernetes` package (pip install 'clipstream[cluster]'); "
+            raise SetupError("the Kubernetes mode needs the `kubernetes` package (pip install 'clipstream-continual[cluster]'); "
                              "or give --jobs-api to submit through the Ray Jobs API") from exc
         try:
             kubernetes.config.load_incluster_config()

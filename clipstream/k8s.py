@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 
 import yaml
 
+from clipstream import DISTRIBUTION
 from clipstream.settings import is_uri
 
 RAY_VERSION = "2.60.0"  # the Ray of the image (k8s/images/Dockerfile); tests/k8s check they agree
@@ -43,7 +44,7 @@ EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
 def package_version() -> str:
     try:
-        return version("clipstream")
+        return version(DISTRIBUTION)
     except PackageNotFoundError:  # a source tree that was never installed
         return "0.0.0"
 

@@ -26,7 +26,7 @@ def wheel(tmp_path_factory) -> Path:
     assert not list((src / "clipstream" / "v1").glob("*_pb2*"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
                     str(src)], check=True, capture_output=True)
-    return next(out.glob("clipstream-*.whl"))
+    return next(out.glob("clipstream_continual-*.whl"))
 
 
 def test_the_wheel_has_clipstream_as_its_only_top_level_package(wheel):

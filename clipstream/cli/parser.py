@@ -43,6 +43,8 @@ def _version() -> str:
     """clipstream's version and its main dependencies' (from their installed metadata: nothing is imported)."""
     from importlib.metadata import PackageNotFoundError, version
 
+    from clipstream import DISTRIBUTION
+
     def of(name: str) -> str:
         try:
             return version(name)
@@ -51,7 +53,7 @@ def _version() -> str:
 
     deps = ", ".join(f"{name} {of(dist)}" for name, dist in (("torch", "torch"), ("open_clip", "open_clip_torch"),
                      ("ray", "ray"), ("deepspeed", "deepspeed"), ("mlflow", "mlflow"), ("qdrant-edge", "qdrant-edge-py")))
-    return f"clipstream {of('clipstream')} ({deps})"
+    return f"clipstream {of(DISTRIBUTION)} ({deps})"
 
 
 # `clipstream COMMAND --help` ends with these

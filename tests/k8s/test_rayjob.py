@@ -246,7 +246,7 @@ def test_cpu_job_asks_for_no_gpu(capsys):
     for pod in pods(rayjob):
         (container,) = pod["spec"]["containers"]
         assert "nvidia.com/gpu" not in container["resources"]["limits"]
-        assert container["image"] == f"ghcr.io/clipstream/clipstream:{version('clipstream')}-cpu"
+        assert container["image"] == f"ghcr.io/clipstream/clipstream:{version('clipstream-continual')}-cpu"
         assert container["envFrom"] == [{"configMapRef": {"name": "cs-settings"}},
                                         {"secretRef": {"name": "cs-object-store", "optional": True}}]
     assert train_args(rayjob).gpus_per_worker == 0
