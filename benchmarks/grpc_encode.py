@@ -43,6 +43,7 @@ SIDES = {"in-process": "in-process (N threads → model)", "grpc": "gRPC, dynami
 WORKER_NICENESS = "RAY_worker_niceness"  # Ray starts its workers this much nicer than the raylet (default 15)
 TARGET = 0.90  # gRPC ≥ 0.90× in-process ...
 TARGET_CLIENTS = (16, 64)  # ... at these concurrencies
+ONE_CLIENT_TARGET = 0.80  # one AsyncClient encoding a large input ≥ 0.80× one in-process caller
 
 
 # What profiling the replica found (py-spy, 64 clients sending images, 2 cores), for the results file.
@@ -141,6 +142,32 @@ def remote(client, modality: str) -> Callable:
     return lambda items: call(items, batch_size=len(items), progress=False)
 
 
+def one_client(bundle, address: str, n: int, batch: int, in_flight: int, rounds: int) -> dict:
+    """One caller encoding `n` captions, in turns for `rounds` rounds: in-process (the bundle's embed, `batch` at a
+    time, as a library user would call it) against one AsyncClient (chunks of `batch`, up to `in_flight` on the wire
+    at once); items/s of each round."""
+    import asyncio
+
+    from clipstream.services.client import AsyncClient
+
+    captions = [text for request in workload("text", -(-n // 8), 8) for text in request][:n]
+
+    async def remote() -> None:
+        async with AsyncClient(address, timeout_s=600, in_flight=in_flight) as client:
+            await client.encode_text(captions, batch_size=batch)
+
+    rates: dict[str, list[float]] = {"in-process": [], "async client": []}
+    for _ in range(rounds):
+        for side, run in (("in-process", lambda: bundle.embed_texts(captions, batch_size=batch)),
+                          ("async client", lambda: asyncio.run(remote()))):
+            tic = time.perf_counter()
+            run()
+            rates[side].append(n / (time.perf_counter() - tic))
+        print(f"[one client, {n} captions] " + ", ".join(f"{k} {v[-1]:.0f} items/s" for k, v in rates.items()),
+              flush=True)
+    return {"captions": n, "batch": batch, "in_flight": in_flight, "rates": rates}
+
+
 def batches_for(sizes: list[int], requests: int) -> int:
     """How many of the Encoder's latest batches (its `batches_seen`, newest last) held the last `requests` requests."""
     total, count = 0, 0
@@ -169,6 +196,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
                    help="the app's serve_batch_size (most requests one model call gathers)")
     p.add_argument("--batching-baseline", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the app with max_batch_size=1 (--no-batching-baseline: skip it, saving a redeploy)")
+    p.add_argument("--one-client", type=int, default=10000, metavar="N",
+                   help="also: one AsyncClient encoding N captions against one in-process caller (0: skip)")
+    p.add_argument("--one-client-batch", type=int, default=64, help="--one-client's chunk / batch size")
     p.add_argument("--out", default=str(report.RESULTS / "grpc-encode.md"), help="the markdown; the plot goes next to it (.png)")
     args = report.parse(p, argv)
     from clipstream import models
@@ -190,7 +220,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     torch.set_num_threads(cpus)
     results: dict = {m: {side: {c: {"rates": [], "latencies": [], "batch": [], "cpu_ms": []} for c in levels}
                          for side in SIDES} for m in modalities}
-    load = os.getloadavg()[0]
+    load, single = os.getloadavg()[0], None
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings(home=Path(tmp) / "home", grpc_port=free_port(), serve_encoder_cpus=cpus, serve_search_cpus=0,
                             serve_batch_size=args.batch_size, serve_max_items=max(256, args.per_request)).ensure_dirs()
@@ -222,17 +252,20 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
                                 print(f"[{m} {c} clients round {r + 1}/{args.rounds}] " + ", ".join(
                                     f"{n} {results[m][n][c]['rates'][-1]:.0f} items/s" for n, _ in pairs + [(side, None)]),
                                       flush=True)
+                    if side == "grpc" and args.one_client:
+                        single = one_client(bundle, target, args.one_client, args.one_client_batch, 8, args.rounds)
                 serve.delete(app.APP)
         finally:
             serve.shutdown()
     seconds = time.perf_counter() - wall
     command = (f"clipstream bench grpc-encode --clients {args.clients} --per-request {args.per_request} --requests "
                f"{args.requests} --rounds {args.rounds} --modalities {args.modalities} --arch {args.arch} "
-               f"--batch-size {args.batch_size}{'' if args.batching_baseline else ' --no-batching-baseline'} --out {args.out}")
+               f"--batch-size {args.batch_size}{'' if args.batching_baseline else ' --no-batching-baseline'} "
+               f"--one-client {args.one_client} --one-client-batch {args.one_client_batch} --out {args.out}")
     device = report.device(f"{torch.get_num_threads()} torch threads",
                            f"load average {load:.1f} at start, {os.getloadavg()[0]:.1f} at end")
     text = encode_report(results, Path(args.out), command, device, args.arch, args.per_request, args.batch_size,
-                         seconds, PROFILE_NOTE)
+                         seconds, PROFILE_NOTE, single)
     print(text)
     print(json.dumps(verdict(results)))
     return text
@@ -268,10 +301,14 @@ def verdict(results: dict) -> dict:
             "pass": bool(checked) and all(r >= TARGET for r in checked)}
 
 
-def checks(results: dict) -> list[dict]:
+def checks(results: dict, single: dict | None = None) -> list[dict]:
     """gRPC ÷ in-process items/s at each TARGET_CLIENTS concurrency against TARGET; a miss says whether the gRPC side
-    spent more CPU per item (its own cost) or the same (the sides got different shares of the cores)."""
+    spent more CPU per item (its own cost) or the same (the sides got different shares of the cores); with `single`
+    (`one_client`'s), one AsyncClient ÷ one in-process caller against ONE_CLIENT_TARGET."""
     s, found = summarize(results), []
+    if single:
+        found.append(report.check(f"text: one AsyncClient ÷ one in-process caller items/s, {single['captions']} captions",
+                                  one_client_ratio(single), at_least=ONE_CLIENT_TARGET))
     for m, sides in s.items():
         for c in TARGET_CLIENTS:
             g, local = sides.get("grpc", {}).get(c), sides.get("in-process", {}).get(c)
@@ -288,8 +325,12 @@ def checks(results: dict) -> list[dict]:
     return found
 
 
+def one_client_ratio(single: dict) -> float:
+    return statistics.median(single["rates"]["async client"]) / statistics.median(single["rates"]["in-process"])
+
+
 def encode_report(results: dict, out: Path, command: str, device: str, arch: str, per_request: int, batch_size: int,
-                  seconds: float | None = None, note: str = "") -> str:
+                  seconds: float | None = None, note: str = "", single: dict | None = None) -> str:
     """The tables (one per modality) to `out` and items/s and p99 against clients to `out`.png; returns the markdown.
     `results`: modality -> side (SIDES) -> clients -> {"rates": items/s per round, "latencies": ms per request,
     "batch": mean requests per model call per round (gRPC sides), "cpu_ms": CPU ms per item per round}."""
@@ -323,10 +364,21 @@ def encode_report(results: dict, out: Path, command: str, device: str, arch: str
                                "CPU ms/item: in-process / gRPC / max 1", "gRPC rounds items/s"], rows)
         lines += ["", *report.table(["clients", "in-process p50 / p99 ms", "gRPC p50 / p99 ms",
                                      "max_batch_size=1 p50 / p99 ms"], latency), ""]
+    if single:
+        rates = single["rates"]
+        lines += [f"## One client, {single['captions']} captions", "",
+                  f"One caller with a large input: the model bundle's embed in this process, {single['batch']} captions "
+                  f"a call, against one `AsyncClient.encode_text` sending chunks of {single['batch']} with up to "
+                  f"{single['in_flight']} on the wire at once (grpc.aio), taking turns round by round; items/s, median "
+                  f"over rounds (Target: ≥ {ONE_CLIENT_TARGET:.2f}×).", "",
+                  *report.table(["side", "items/s", "rounds items/s"],
+                                [[side, statistics.median(r), ", ".join(f"{x:.0f}" for x in r)] for side, r in rates.items()]),
+                  "", f"AsyncClient ÷ in-process: {one_client_ratio(single):.2f}×.", ""]
     if note:
         lines += [note, ""]
     png = plot(s, out.with_suffix(".png"))
-    lines += [f"![items/s and p99 latency against concurrent clients]({png.name})", "", *report.targets(out, checks(results))]
+    lines += [f"![items/s and p99 latency against concurrent clients]({png.name})", "",
+              *report.targets(out, checks(results, single))]
     return report.write(out, lines)
 
 

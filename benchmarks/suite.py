@@ -48,7 +48,7 @@ PLAN: dict[str, tuple[str, list[str], list[str]]] = {
                       ["--tasks", "3", "--methods", "ewc"]),
     # 2 rounds, not the script's 3: the ratios at 16 and 64 clients sit far past their target (grpc-encode.md)
     "grpc-encode": ("grpc-encode", ["--rounds", "2"], ["--clients", "1,16", "--rounds", "1", "--modalities", "text",
-                                        "--no-batching-baseline"]),
+                                        "--no-batching-baseline", "--one-client", "1000"]),
     # 1M is its own run (search-1m.md): writing its 1M vectors (two HNSW graphs of 500k) alone takes many minutes;
     # so is the uniform-vector worst case (search-uniform.md: its 100k graph alone takes over a minute to build)
     # ViT-B-32's 512-d vectors at 100k beside the small model's: a real CLIP's gallery (see search-1m.md for 1M)

@@ -92,3 +92,15 @@ def test_the_served_model_is_registered_in_a_run_of_its_own_as_the_production_ve
     found = registry.resolve(version)
     assert "production" in found.aliases and found.tags["method"] == "none" and found.run_id
     assert json.loads((found.folder / "open_clip_config.json").read_text())["model_cfg"]["embed_dim"] == 64
+
+
+def test_one_async_client_is_compared_with_one_in_process_caller(tmp_path):
+    single = {"captions": 10000, "batch": 64, "in_flight": 8,
+              "rates": {"in-process": [1000.0, 1100.0, 900.0], "async client": [850.0, 700.0, 880.0]}}
+    text = bench.encode_report(results(), tmp_path / "ge.md", "c", "d", "a", 8, 32, single=single)
+    assert "## One client, 10000 captions" in text and "| async client | 850.0 | 850, 700, 880 |" in text
+    assert "AsyncClient ÷ in-process: 0.85×." in text
+    checks = {c["check"]: c for c in json.loads((tmp_path / "ge.json").read_text())["checks"]}
+    assert checks["text: one AsyncClient ÷ one in-process caller items/s, 10000 captions"]["ok"]
+    single["rates"]["async client"] = [700.0] * 3
+    assert not bench.checks(results(), single)[0]["ok"]
