@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import signal
 import socket
 import tempfile
 from collections.abc import Callable
@@ -69,6 +70,16 @@ def init_ray(settings: Settings, num_cpus: int | None = None, setup_hook: Callab
         else:
             os.environ[GCS_PORT] = before
     logger.info("local Ray instance at 127.0.0.1:%d, temp dir (worker logs) %s", port, temp)
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (Kubernetes stopping a pod, a supervisor, `kill`) ends a long-running command as Ctrl-C does: as a
+    KeyboardInterrupt in the main thread, so its own clean-up runs (what it started is stopped, and the local Ray
+    instance shut down at exit) instead of the process dying with its children left behind."""
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def free_port() -> int:

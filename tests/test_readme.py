@@ -81,3 +81,83 @@ def test_every_clipstream_command_the_docs_show_is_one_the_cli_accepts(path):
         except SystemExit:
             refused.append(" ".join(["clipstream", *argv]))
     assert refused == []
+
+
+def section(title: str) -> str:
+    """The text of README's `## title` section."""
+    return README.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+@pytest.mark.slow
+def test_the_five_minute_path_runs_as_written(tmp_path):
+    """README's "Five minutes with your own data", command by command, in a fresh directory holding the files it
+    names in their real formats (an open_clip TSV, COCO captions JSON, a query image): imports, check, two trained
+    versions, promote, `clipstream serve` in the background, the searches and the encode, and the Python snippet."""
+    import json as json_module
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from PIL import Image
+
+    from clipstream.runtime import free_port
+    from clipstream.settings import Settings
+
+    text = section("Five minutes with your own data")
+    colours = {"red": (200, 30, 30), "blue": (30, 30, 200), "green": (30, 160, 30), "black": (10, 10, 10)}
+
+    def picture(path, colour, k):  # a coloured square with a white mark where k puts it: no two alike
+        path.parent.mkdir(parents=True, exist_ok=True)
+        image = Image.new("RGB", (32, 32), colours[colour])
+        image.paste((255, 255, 255), (k % 6 * 5, k // 6 * 5, k % 6 * 5 + 4, k // 6 * 5 + 4))
+        image.save(path)
+
+    rows = []
+    for k in range(30):
+        colour = list(colours)[k % 4]
+        picture(tmp_path / f"kitchen/{k}.jpg", colour, k)
+        rows.append(f"kitchen/{k}.jpg\ta {colour} kettle on a stove")
+    (tmp_path / "kitchen.tsv").write_text("filepath\ttitle\n" + "\n".join(rows) + "\n")
+    images, annotations = [], []
+    for k in range(30):
+        colour = list(colours)[(k + 1) % 4]
+        picture(tmp_path / f"train2017/{k:012d}.jpg", colour, k)
+        images.append({"id": k, "file_name": f"{k:012d}.jpg", "width": 32, "height": 32})
+        annotations.append({"id": 100 + k, "image_id": k, "caption": f"a {colour} cup on a table"})
+    (tmp_path / "annotations").mkdir()
+    (tmp_path / "annotations/captions_train2017.json").write_text(json_module.dumps(
+        {"images": images, "annotations": annotations}))
+    picture(tmp_path / "query.jpg", "red", 0)
+
+    port = free_port()
+    settings = Settings(home=tmp_path / "home", grpc_port=port)
+    env = {**os.environ, **settings.env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("CLIPSTREAM_SERVER", None)  # (the default: this machine's grpc_port)
+    server = None
+    try:
+        for argv in commands(text):
+            if argv[0] == "serve":
+                server = subprocess.Popen(["clipstream", *argv], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, start_new_session=True)
+                deadline = time.monotonic() + 300
+                while subprocess.run(["clipstream", "health"], cwd=tmp_path, env=env,
+                                     capture_output=True).returncode != 0:
+                    assert server.poll() is None and time.monotonic() < deadline, "clipstream serve did not come up"
+                    time.sleep(2)
+                continue
+            done = subprocess.run(["clipstream", *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                  timeout=900)
+            assert done.returncode == 0, f"clipstream {' '.join(argv)}: {done.stderr[-2000:]}"
+            if argv[0] == "search":
+                assert "kettle" in done.stdout or "cup" in done.stdout or "kitchen" in done.stdout, done.stdout
+        snippet = text.split("```python\n", 1)[1].split("```", 1)[0].replace("127.0.0.1:9000", f"127.0.0.1:{port}")
+        done = subprocess.run([sys.executable, "-c", snippet + "\nprint(len(hits), vectors.shape)"], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split()[0] == "5"
+    finally:
+        if server is not None:  # SIGTERM, as Kubernetes stops a pod: the command's own clean exit
+            os.killpg(server.pid, signal.SIGTERM)
+            assert server.wait(timeout=120) == 0

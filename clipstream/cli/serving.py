@@ -9,7 +9,7 @@ from clipstream.settings import Settings
 
 
 def _serve(args) -> None:
-    from clipstream.runtime import init_ray
+    from clipstream.runtime import init_ray, stop_on_sigterm
     from clipstream.services import app, binding
     from clipstream.services.health import SERVICES
 
@@ -24,6 +24,7 @@ def _serve(args) -> None:
         from clipstream.promotion import follow_forever
 
         threading.Thread(target=follow_forever, args=(settings,), daemon=True, name="follow-production").start()
+    stop_on_sigterm()  # a pod's stop: the same clean exit as Ctrl-C
     where = binding.address(settings.grpc_host, settings.grpc_port)
     print(f"serving {', '.join(SERVICES)} on {where} ({'TLS' if settings.tls else 'plaintext'}; reflection and "
           f"grpc.health.v1 on{'; API key required' if settings.secret('api_key') else ''}); Ctrl-C stops", flush=True)

@@ -15,7 +15,7 @@ def _ui(args) -> None:
     import subprocess
 
     from clipstream.local_cluster import http_get, tool
-    from clipstream.runtime import free_port
+    from clipstream.runtime import free_port, stop_on_sigterm
 
     settings = Settings()
     uri = settings.mlflow_tracking_uri
@@ -28,10 +28,7 @@ def _ui(args) -> None:
     server = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True)  # (its output: the log)
     url = f"http://127.0.0.1:{port}"
 
-    def stop(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
+    stop_on_sigterm()
     try:
         deadline = time.monotonic() + args.timeout
         while http_get(f"{url}/health") is None:
