@@ -182,6 +182,17 @@ class Settings(BaseSettings):
             return UPath(self.runs_dir)
         return Path(self.runs_dir)
 
+    def existing_store(self) -> "Settings":
+        """These settings, for a command that reads what earlier commands stored (versions, runs, promotions): an
+        embedded store that does not exist is an error naming where it was looked for, not a new empty one made in
+        passing (each directory has its own ./.clipstream unless CLIPSTREAM_HOME or a clipstream.yaml says)."""
+        registry = Path(self.mlflow_tracking_uri.removeprefix("sqlite:///"))
+        if self.embedded_registry and not registry.parent.exists():
+            raise ValueError(f"no clipstream store at {registry.parent}: run the command where you trained, or name "
+                             "the store with CLIPSTREAM_HOME or in a clipstream.yaml (`clipstream config` shows each "
+                             "setting and where it came from)")
+        return self
+
     def ensure_dirs(self) -> "Settings":
         for path in (self.home, self.data_dir, *([] if is_uri(self.runs_dir) else [Path(self.runs_dir)])):
             path.mkdir(parents=True, exist_ok=True)  # (an object store has no folders to make)

@@ -14,6 +14,8 @@ from clipstream.settings import Settings, configure_process, unknown_variables
 
 EXIT_UNREACHABLE = 3  # the server did not answer (parser.EXIT_STATUS lists every code)
 
+# the commands that read the store earlier commands wrote: none is made for them (Settings.existing_store)
+READS_STORE = ("runs", "history", "eval", "export", "index", "promote", "rollback", "follow")
 # the commands that start Ray, DeepSpeed or Ray Serve: quiet unless -v (see clipstream.console)
 QUIET = ("train", "register", "eval", "index", "compact", "promote", "rollback", "follow", "serve", "demo", "bench", "ui",
          "controller")
@@ -40,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     for variable, match in unknown_variables():  # a typo in a variable name would otherwise be silently ignored
         print(f"clipstream: warning: {variable} is not a setting, ignored"
               + (f" (did you mean {match}?)" if match else " (`clipstream config` lists them)"), file=console.err())
+    if args.command in READS_STORE:  # before anything (the quiet mode's log folder included) is made there
+        try:
+            Settings().existing_store()
+        except ValueError as exc:
+            print(f"clipstream: error: {_one_line(exc)}", file=console.err())
+            return 2
     if args.command in QUIET and not getattr(args, "verbose", False):
         if args.command == "bench":  # once the benchmark parsed its own options: its --help and errors show
             from clipstream.benchmarks import report

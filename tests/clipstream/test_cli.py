@@ -456,3 +456,19 @@ def test_the_zero_shot_line_says_which_way_the_score_moved(history, says):
     from clipstream.cli.render import zero_shot_line
 
     assert says in zero_shot_line(history)
+
+
+@pytest.mark.parametrize("argv", [["runs"], ["history"], ["export", "--version", "1", "--out", "m"], ["promote", "1"],
+                                  ["eval", "--version", "1"]])
+def test_a_command_that_reads_the_store_makes_none_where_there_is_none(argv, tmp_path, monkeypatch, capsys):
+    """Run in a directory that never trained: one line naming where the store was looked for and how to name
+    another, exit 2, and no empty ./.clipstream left behind."""
+    from clipstream.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CLIPSTREAM_HOME", raising=False)
+    monkeypatch.delenv("CLIPSTREAM_MLFLOW_TRACKING_URI", raising=False)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"no clipstream store at {tmp_path / '.clipstream'}" in err and "CLIPSTREAM_HOME" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / ".clipstream").exists()
