@@ -31,6 +31,7 @@ from __future__ import annotations
 import codecs
 import csv
 import difflib
+import errno
 import functools
 import glob
 import hashlib
@@ -108,6 +109,10 @@ class Task:
     splits: dict[str, Split]
     index: Optional[int] = None
     meta: dict = field(default_factory=dict)
+    # what one read of each image found, kept for the Task's life: `check` and `data_sha` (a job's driver calls both)
+    # then read each file once; and the task's folders as resolved, so a path's symlink check costs an lstat
+    _images: dict = field(default_factory=dict, repr=False, compare=False)
+    _folders: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def load(cls, path: str | Path) -> "Task":
@@ -216,7 +221,7 @@ class Task:
 
     def image(self, row: dict) -> bytes | Path:
         """A row's image: its bytes (a WebDataset shard carries them; remote files are read) or its local file."""
-        return image_source(self.root, row.get("image"), row.get("image_bytes"))
+        return image_source(self.root, row.get("image"), row.get("image_bytes"), self._folders)
 
     @property
     def threads(self) -> int:
@@ -226,23 +231,39 @@ class Task:
 
     def _image_outcome(self, row: dict) -> tuple[Optional[str], Optional[DataError]]:
         try:
-            return self._image_problem(row), None
+            return self._image_facts(row)[0], None
         except DataError as exc:
             return None, exc
 
-    def _image_problem(self, row: dict) -> Optional[str]:
-        if row.get("image_bytes") is None and not row.get("image"):
-            return "missing image field"
+    def _image_facts(self, row: dict) -> tuple[Optional[str], bytes]:
+        """(what is wrong with a row's image or None, the sha256 of its bytes: of b"" when there are none), from one
+        read, remembered by path for the Task's life: a job's driver checks and hashes a task within moments (an
+        image changed after that read goes unseen, as one changed after the hash would). A path out of the task
+        raises UnsafePath, and is never remembered."""
+        if row.get("image_bytes") is not None:  # (a shard's: in hand already)
+            data = bytes(row["image_bytes"])
+            return self._verify(row, data), hashlib.sha256(data).digest()
+        key = row.get("image")
+        if not key:
+            return "missing image field", hashlib.sha256(b"").digest()
+        if isinstance(key, str) and key in self._images:
+            return self._images[key]
+        path = image_location(self.root, key, self._folders)
         try:
-            source = self.image(row)
-        except FileNotFoundError:
-            source = None
-        if source is None or isinstance(source, Path) and not source.is_file():
-            return f"image not found: {self.root / str(row['image'])}"
+            data = path.read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            facts = f"image not found: {self.root / str(key)}", hashlib.sha256(b"").digest()
+        else:
+            facts = self._verify(row, data), hashlib.sha256(data).digest()
+        self._images[key] = facts
+        return facts
+
+    @staticmethod
+    def _verify(row: dict, data: bytes) -> Optional[str]:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", Image.DecompressionBombWarning)  # PIL only warns up to twice its limit
-                with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
+                with Image.open(io.BytesIO(data)) as img:
                     width, height = img.size  # from the header: nothing is decoded yet
                     if width * height > MAX_IMAGE_PIXELS:
                         return (f"image {row.get('image')} too large: {width}x{height} pixels, more than the "
@@ -268,13 +289,9 @@ class Task:
     def _image_digest(self, where_row: tuple[str, dict]) -> bytes:
         where, row = where_row
         try:
-            source = self.image(row) if row.get("image_bytes") is not None or row.get("image") else b""
-        except FileNotFoundError:
-            source = b""
+            return self._image_facts(row)[1]
         except DataError as exc:  # a path out of the directory is never read
             raise DataError(f"{where}: {exc}") from exc
-        data = source if isinstance(source, bytes) else source.read_bytes() if source.is_file() else b""
-        return hashlib.sha256(data).digest()
 
 
 def parallel(fn, items: list, threads: int) -> list:
@@ -307,24 +324,34 @@ def _check_classes(manifest, meta: dict) -> None:
             raise DataError(f"{manifest}: templates given without classes to fill them with")
 
 
-def image_source(root: str | Path, image: Optional[str], image_bytes: Optional[bytes] = None) -> bytes | Path:
+def image_source(root: str | Path, image: Optional[str], image_bytes: Optional[bytes] = None,
+                 folders: Optional[dict] = None) -> bytes | Path:
     """The one rule for where a row's image is, for rows (`Task.image`) and Ray Data batches alike: the bytes
     a shard carries, the local file, or the bytes of the remote file (FileNotFoundError if it is not there).
-    A path that leads out of the task directory raises UnsafePath (`_inside`), before the file is looked for."""
+    A path that leads out of the task directory raises UnsafePath (`_inside`), before the file is looked for.
+    `folders`: the caller's memo of resolved folders (`_inside`)."""
     if image_bytes is not None:
         return bytes(image_bytes)
-    if not isinstance(image, str):
-        raise DataError(f"image must be a path relative to the task directory, got {type(image).__name__} {image!r}")
-    path = _inside(root, str(image), "image")  # str: Ray Data hands numpy strings
+    path = image_location(root, image, folders)
     return path if isinstance(path, Path) else path.read_bytes()
 
 
-def _inside(root: str | Path, rel: str, what: str):
+def image_location(root: str | Path, image, folders: Optional[dict] = None):
+    """Where a row's image file is: a local Path, or a UPath on a remote filesystem (not read); the checks of
+    `image_source`."""
+    if not isinstance(image, str):
+        raise DataError(f"image must be a path relative to the task directory, got {type(image).__name__} {image!r}")
+    return _inside(root, str(image), "image", folders)  # str: Ray Data hands numpy strings
+
+
+def _inside(root: str | Path, rel: str, what: str, folders: Optional[dict] = None):
     """`root / rel`, refused with UnsafePath when it leads out of the task directory `root`: when it is absolute
     or a URI, when `..` climbs out of it (in a task given by URI: any `..`), or, on a local filesystem, when it
     resolves out of it through a symlink (to the file or to a folder on the way). Decided from the path and the
-    task's own symlinks, before looking for the file: the answer is the same whether the outside file exists."""
-    base = location(root)
+    task's own symlinks, before looking for the file: the answer is the same whether the outside file exists.
+    `folders` memoises each folder's resolved path for a caller that checks many paths at once (a task's check):
+    then a path costs an lstat of its last component, not one per component."""
+    base = root if isinstance(root, Path) and root.is_absolute() else location(root)
     if CONTROL_CHARS.search(rel):
         raise DataError(f"{what} path {rel!r} contains a control character; rename the file")
     outside = _under_allowed_root(rel) if what == "image" else None
@@ -334,9 +361,9 @@ def _inside(root: str | Path, rel: str, what: str):
     reason = _climbs_out(rel, local is not None)
     if reason is None and local is not None:
         try:
-            if not (local / rel).resolve().is_relative_to(local.resolve()):
+            if not _resolves_inside(str(local), rel, {} if folders is None else folders):
                 reason = "a symlink on the way points out of it"
-        except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError before Python 3.13)
+        except (OSError, RuntimeError) as exc:  # a symlink loop
             raise DataError(f"{what} path {rel!r} cannot be resolved: {exc}") from exc
     if reason:
         allow = ("; or allow the folder it is in with CLIPSTREAM_IMAGE_ROOTS (Settings image_roots)"
@@ -344,6 +371,34 @@ def _inside(root: str | Path, rel: str, what: str):
         raise UnsafePath(f"{what} path {rel!r} leaves the task directory {base}: {reason}; paths in a task are "
                          f"relative to its directory and stay inside it{allow}")
     return base / rel
+
+
+def _resolves_inside(local: str, rel: str, folders: dict) -> bool:
+    """Whether local/rel, its symlinks resolved (to the file, to each folder on the way), stays under `local`, whose
+    folders' resolved paths `folders` holds (filled as they are met): a file that is no symlink is its resolved
+    folder / its name, an lstat. String paths: pathlib's objects cost more here than the system calls."""
+    def real(path: str) -> str:  # os.path.realpath, a symlink loop an error (as Path.resolve makes it)
+        resolved = os.path.realpath(path)
+        try:
+            os.stat(resolved)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise RuntimeError(f"Symlink loop from {exc.filename!r}") from exc
+        return resolved
+
+    def folder(path: str) -> str:
+        if path not in folders:
+            folders[path] = real(path)
+        return folders[path]
+
+    target = os.path.join(local, rel)
+    parent, name = os.path.split(target)
+    if name in ("", ".", "..") or os.path.islink(target):
+        resolved = real(target)
+    else:
+        resolved = os.path.join(folder(parent), name)
+    top = folder(local)
+    return resolved == top or resolved.startswith(top.rstrip("/") + "/")
 
 
 def image_roots() -> tuple[str, ...]:
@@ -361,7 +416,7 @@ def _image_roots(variable: Optional[str], config: Optional[str]) -> tuple[str, .
 def _under_allowed_root(rel: str):
     """The image at absolute path or URI `rel` when it lies under an allowed root (a local path: after resolving
     its symlinks, so a link inside a root that points out of it is still out), else None."""
-    if not ("://" in rel or PurePosixPath(rel).is_absolute()):
+    if not ("://" in rel or rel.startswith("/")):
         return None
     for root in image_roots():
         if "://" in root or "://" in rel:
@@ -388,7 +443,7 @@ def _climbs_out(rel: str, local: bool) -> Optional[str]:
     """Why `rel` leaves its directory, read from the string alone, or None."""
     if "://" in rel:
         return "it is a URI"
-    if PurePosixPath(rel).is_absolute():
+    if rel.startswith("/"):
         return "it is absolute"
     if os.path.normpath(rel).split("/")[0] == "..":
         return "'..' climbs out of it"

@@ -849,3 +849,38 @@ def test_images_outside_the_task_only_under_roots_the_user_allows(tmp_path, monk
                   f"file://{dataset}/../secret.png"):
         make_task(root, {"train": [{"id": "x", "image": image, "caption": "out"}], "test": default_rows(2, "test")})
         raises(["image path", "leaves the task directory"], Task.load(root).check, "train")
+
+
+def test_check_then_data_sha_read_each_image_once(tmp_path, monkeypatch):
+    """A job's driver checks a task and hashes it: each image file is opened once for both, and the hash is the one a
+    fresh read of everything gives."""
+    root = make_task(tmp_path / "t", {"train": default_rows(4), "test": default_rows(2, "test")})
+    import builtins
+
+    opened, real_open = [], io.open
+
+    def counting_open(file, *args, **kwargs):  # pathlib's reads and PIL's opens alike
+        opened.append(Path(str(file)).name)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", counting_open)
+    monkeypatch.setattr(builtins, "open", counting_open)
+    task = Task.load(root)
+    task.check("train")
+    task.check("test")
+    first = task.data_sha()
+    monkeypatch.undo()
+    assert sorted(r for r in opened if r.endswith(".png")) == sorted(Path(r["image"]).name for r in
+                                                                     default_rows(4) + default_rows(2, "test"))
+    assert first == Task.load(root).data_sha()
+
+
+def test_one_symlinked_folder_among_many_checked_is_still_refused(tmp_path):
+    """The folders a check resolves are remembered; a path through a folder that leads out is still refused when
+    paths through an honest sibling folder were checked before it."""
+    rows = [dict(r, image=f"images/{'in' if k < 3 else 'out'}/{k}.png") for k, r in enumerate(default_rows(5))]
+    root = make_task(tmp_path / "t", {"train": rows})
+    (root / "images/out").rename(tmp_path / "elsewhere")
+    (root / "images/out").symlink_to(tmp_path / "elsewhere")
+    raises([f"{root / 'train.jsonl'}:4: image path 'images/out/3.png' leaves the task directory", "symlink"],
+           Task.load(root).check, "train")
