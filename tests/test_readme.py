@@ -108,20 +108,20 @@ def test_the_five_minute_path_runs_as_written(tmp_path):
     text = section("Five minutes with your own data")
     colours = {"red": (200, 30, 30), "blue": (30, 30, 200), "green": (30, 160, 30), "black": (10, 10, 10)}
 
-    def picture(path, colour, k):  # a coloured square with a white mark where k puts it: no two alike
+    def picture(path, colour, k):  # a square of the colour in a shade of its own, a white mark where k puts it
         path.parent.mkdir(parents=True, exist_ok=True)
-        image = Image.new("RGB", (32, 32), colours[colour])
-        image.paste((255, 255, 255), (k % 6 * 5, k // 6 * 5, k % 6 * 5 + 4, k // 6 * 5 + 4))
+        image = Image.new("RGB", (32, 32), tuple(min(255, c + k) for c in colours[colour]))
+        image.paste((255, 255, 255), (k % 6 * 5, k // 6 % 6 * 5, k % 6 * 5 + 4, k // 6 % 6 * 5 + 4))
         image.save(path)
 
-    rows = []
-    for k in range(30):
+    rows = []  # 80 pairs a source: 72 to train, enough for a step of 2 workers x the preset's micro batch of 32
+    for k in range(80):
         colour = list(colours)[k % 4]
         picture(tmp_path / f"kitchen/{k}.jpg", colour, k)
         rows.append(f"kitchen/{k}.jpg\ta {colour} kettle on a stove")
     (tmp_path / "kitchen.tsv").write_text("filepath\ttitle\n" + "\n".join(rows) + "\n")
     images, annotations = [], []
-    for k in range(30):
+    for k in range(80):
         colour = list(colours)[(k + 1) % 4]
         picture(tmp_path / f"train2017/{k:012d}.jpg", colour, k)
         images.append({"id": k, "file_name": f"{k:012d}.jpg", "width": 32, "height": 32})

@@ -163,7 +163,9 @@ def _write(pairs: list[Pair], out: Path, name: str, split: Optional[str], test_k
             else:
                 _place(p.image, out / rel)
             placed[key] = rel
-        rows.setdefault(where, []).append({"id": f"{where}-{len(rows.get(where, [])):07d}", "image": placed[key],
+        # ids carry the task's name, as the synthetic tasks' do: every task's items share the vector index, where an
+        # id must be unique across tasks (two imports would otherwise both hold "test-0000000")
+        rows.setdefault(where, []).append({"id": f"{name}-{where}-{len(rows.get(where, [])):07d}", "image": placed[key],
                                            "caption": p.caption})
     for where, split_rows in rows.items():
         with open(out / f"{where}.jsonl", "w", encoding="utf-8", newline="\n") as f:

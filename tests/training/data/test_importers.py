@@ -50,6 +50,9 @@ def test_open_clip_csv_tab_separated_with_its_default_columns(tmp_path, images, 
     assert set(task.splits) == {"train", "test"}
     assert len(_captions(task, "train")) == 7 and len(_captions(task, "test")) == 1  # a seeded 10%, at least one
     assert sorted(_captions(task, "train") + _captions(task, "test")) == [f"a photo number {k}" for k in range(8)]
+    # ids name the task: two imported tasks share the vector index, where ids must not collide across tasks
+    ids = [str(r["id"]) for split in task.splits for r in task.check(split).rows]
+    assert sorted(ids) == sorted(f"task-{split}-{k:07d}" for split, n in (("train", 7), ("test", 1)) for k in range(n))
 
 
 def test_csv_with_commas_named_columns_and_an_image_root(tmp_path, images, capsys):
