@@ -130,7 +130,7 @@ def code_version() -> str:
         return rev
     from importlib.metadata import PackageNotFoundError, version
 
-    from clipstream import DISTRIBUTION
+    from clipstream.settings import DISTRIBUTION
 
     try:
         return f"clipstream {version(DISTRIBUTION)}"

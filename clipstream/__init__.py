@@ -4,6 +4,3 @@ Ground floor (this folder): `settings`, `registry`, `index`, `models`, the gener
 `clipstream.training` and `clipstream.services`; on top, the `cli` and the pipelines joining both sides
 (`indexing`, `promotion`, `clipstream.benchmarks`).
 """
-
-# The distribution that installs this package (pyproject.toml; the client alone is "clipstream-client")
-DISTRIBUTION = "clipstream-continual"

@@ -28,8 +28,7 @@ from typing import Optional, Sequence
 
 import yaml
 
-from clipstream import DISTRIBUTION
-from clipstream.settings import is_uri
+from clipstream.settings import DISTRIBUTION, is_uri
 
 RAY_VERSION = "2.60.0"  # the Ray of the image (k8s/images/Dockerfile); tests/k8s check they agree
 REPOSITORY = "ghcr.io/clipstream/clipstream"

@@ -208,6 +208,9 @@ class Settings(BaseSettings):
         return out
 
 
+# The distribution that installs the package (pyproject.toml; the client alone is "clipstream-client")
+DISTRIBUTION = "clipstream-continual"
+
 # CLIPSTREAM_* variables that are not settings: the settings file, and the fault-injection hook the tests use
 OTHER_VARIABLES = ("CLIPSTREAM_CONFIG", "CLIPSTREAM_FAIL_ONCE")
 

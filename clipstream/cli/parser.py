@@ -43,7 +43,7 @@ def _version() -> str:
     """clipstream's version and its main dependencies' (from their installed metadata: nothing is imported)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from clipstream import DISTRIBUTION
+    from clipstream.settings import DISTRIBUTION
 
     def of(name: str) -> str:
         try:
