@@ -107,7 +107,9 @@ def expand(streams: dict[str, tuple[str, Sequence[str]]], vary: Sequence[tuple[s
         used.update(key for key, _, _ in axes)
         for combo in itertools.product(*(values for _, _, values in axes)):
             extra = [f"{dotted}={value}" for (_, keys, _), value in zip(axes, combo) for dotted in keys]
-            resolve(preset, [*overrides, *sets, *extra], presets)
+            varied = flatten(resolve(preset, [*overrides, *sets, *extra], presets))
+            # a value the preset already has adds no override: the row is the preset's own cell (cached alike)
+            extra = [e for e in extra if varied[e.split("=", 1)[0]] != flat[e.split("=", 1)[0]]]
             variants.append(Variant(" ".join([name, *(f"{key}={value}" for (key, _, _), value in zip(axes, combo))]),
                                     preset, (*sets, *extra)))
     unused = [key for key, _ in vary if key not in used]

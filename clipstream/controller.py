@@ -80,7 +80,8 @@ def read_source(source: str) -> list[Incoming]:
 @dataclass
 class Step:
     task: Incoming
-    state: str  # DONE, PENDING, BAD, or the job's RUNNING / FAILED (a SUCCEEDED job without its version is FAILED)
+    state: str  # DONE, PENDING, BAD, or the job's RUNNING / FAILED (a SUCCEEDED job without its version is FAILED;
+    # a version whose job still runs is RUNNING)
     version: str = ""
     detail: str = ""
     job: str = ""  # its job's state; none for a version registered otherwise (e.g. adopted into the stream)
@@ -94,7 +95,9 @@ def derive(stream: str, tasks: Sequence[Incoming], aliases: dict[str, str], jobs
     for task in tasks:
         version = aliases.get(alias(stream, task))
         job = jobs.get(job_name(release, stream, task))
-        if version:
+        if version and job == RUNNING:  # registered, its job still finishing: one job at a time, so it waits
+            steps.append(Step(task, RUNNING, version, f"version {version} registered; its job is still running", job))
+        elif version:
             steps.append(Step(task, DONE, version, job=job or ""))
         elif job == SUCCEEDED:
             steps.append(Step(task, FAILED, detail=f"its job succeeded but no version carries {alias(stream, task)}"))

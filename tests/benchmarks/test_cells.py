@@ -36,6 +36,10 @@ def test_vary_expands_a_grid_over_the_methods_that_have_the_key():
     dotted = cells.expand({"finetune": ("finetune", []), "ctp": ("ctp", [])},
                           cells.parse_vary(["method.ctp.momentum=0.9,0.99"]), "finetune")
     assert [v.label for v in dotted] == ["finetune", "ctp method.ctp.momentum=0.9", "ctp method.ctp.momentum=0.99"]
+    # a value the preset already has is no override: that row is the preset's own (cached) cell
+    default = cells.expand({"ewc": ("ewc", [])}, cells.parse_vary(["weight=2500,25000"]), "finetune")
+    assert [(v.label, v.sets) for v in default] == [("ewc weight=2500", ()),
+                                                    ("ewc weight=25000", ("method.ewc.weight=25000",))]
     # a stream's own overrides come first (the language streams')
     own = cells.expand({"embeddings": ("cllclip", ["method.cllclip.cross_lingual_weight=0.0"])},
                        cells.parse_vary(["train.lr=0.01"]), "teir")

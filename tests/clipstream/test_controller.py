@@ -143,6 +143,10 @@ def test_derive_reads_versions_and_jobs():
     assert steps[0].version == "4" and "no version carries" in steps[1].detail and "splits" in steps[6].detail
     assert steps[0].job == SUCCEEDED  # a version of the stream's own job (the promotion policy is for those)
     assert derive("s", [a], {controller.alias("s", a): "1"}, {})[0].job == ""  # registered otherwise
+    # its version registered, its job not yet ended: the task still runs, the next waits and nothing is promoted
+    finishing = derive("s", [a, b], {controller.alias("s", a): "5"}, {name(a): RUNNING})
+    assert [(s.state, s.version) for s in finishing] == [(RUNNING, "5"), (PENDING, "")]
+    assert decide(finishing, SKIP).running == a and decide(finishing, SKIP).submit is None
 
 
 def test_a_failed_or_bad_task_is_skipped_or_stops_the_stream():
