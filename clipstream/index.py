@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import fcntl
 import heapq
 import json
@@ -34,6 +35,11 @@ MODALITIES = ("image", "text")
 PAYLOAD_INDEXES = {"task": "keyword", "modality": "keyword", "model_version": "keyword", "index_generation": "integer"}
 BATCH = 256  # points per upsert call
 MAX_K = 1000
+MAX_DEPTH = 10_000  # offset + k: how deep paging may go into one ranking
+META = "meta"  # a point's payload key holding its item's own fields (AddItems metadata); filters name them bare
+FIELD_TYPES = ("keyword", "integer", "float")  # what a declared field (Settings index_fields) may hold
+CATALOGUE = "catalogue"  # a task kind: items users add and delete (AddItems), not a trained task's gallery
+_FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 Z_POOL = 100  # per-task candidates whose scores give the z-score statistics (normalize_per_task)
 # Edge segments. The values below were chosen with `clipstream bench search` (benchmarks/search.py: recall@10
 # against exact numpy search, p50/p99 latency at 10k-1M vectors; its results in benchmarks/results/search*.md), and
@@ -76,7 +82,18 @@ class TaskVectors:
     text: np.ndarray
     captions: list[str]
     split: str = "test"
-    image_uris: list[str] = field(default_factory=list)  # where each row's image is, for image hits ([]: not said)
+    image_uris: list[str] = field(default_factory=list)  # where each image row is, for image hits ([]: not said)
+    kind: str = "task"  # or CATALOGUE
+    metadata: list[dict] = field(default_factory=list)  # per item_id, its own payload fields ([]: none)
+    # a catalogue's items need not have both: the items with an image (the rows of `image`), with a text (the rows of
+    # `text` and `captions`); None: every item, in item_ids' order (a task's pairs)
+    image_ids: list[str] | None = None
+    text_ids: list[str] | None = None
+
+    def ids(self, modality: str) -> list[str]:
+        """The items whose `modality` rows these vectors hold, in row order."""
+        own = self.image_ids if modality == "image" else self.text_ids
+        return self.item_ids if own is None else own
 
 
 @dataclass(frozen=True)
@@ -93,6 +110,7 @@ class Hit:
     lineage: str
     caption: str | None
     image_uri: str | None = None  # image hits: where the image is (a path on the machine that indexed it, or a URI)
+    metadata: dict = field(default_factory=dict, hash=False)  # the item's own fields (catalogue items)
 
 
 def _unit(x, what: str, dim: int | None) -> np.ndarray:
@@ -111,11 +129,83 @@ def _unit(x, what: str, dim: int | None) -> np.ndarray:
     return (x / norms).astype(np.float32)
 
 
-def _check_task(tv: TaskVectors, dim: int | None) -> tuple[np.ndarray, np.ndarray]:
+def check_fields(fields: dict | None) -> dict[str, str]:
+    """Declared payload fields (name -> one of FIELD_TYPES), the ones searches may filter on."""
+    fields = dict(fields or {})
+    for name, kind in fields.items():
+        if not isinstance(name, str) or not _FIELD.match(name):
+            raise VectorIndexError(f"field name {name!r}: use a letter or '_' then up to 63 letters, digits or '_'")
+        if kind not in FIELD_TYPES:
+            raise VectorIndexError(f"field {name!r}: type {kind!r} is not one of {', '.join(FIELD_TYPES)}")
+    return fields
+
+
+def _undeclared(name: str, fields: dict) -> str:
+    close = difflib.get_close_matches(name, list(fields), n=1)
+    return (f"field {name!r} is not declared" + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; declared fields: {', '.join(sorted(fields)) or 'none'} (Settings index_fields, "
+            "CLIPSTREAM_INDEX_FIELDS)")
+
+
+def _of_type(value, kind: str) -> bool:
+    if kind == "keyword":
+        return isinstance(value, str)
+    if isinstance(value, bool):
+        return False
+    if kind == "integer":
+        return isinstance(value, (int, np.integer)) or (isinstance(value, float) and value.is_integer())
+    return isinstance(value, (int, float, np.integer, np.floating)) and np.isfinite(value)
+
+
+def check_metadata(metadata, fields: dict, where: str = "metadata") -> dict:
+    """An item's own fields, each declared and of its declared type (an integer field takes 3.0 as 3)."""
+    if not isinstance(metadata, dict):
+        raise VectorIndexError(f"{where}: expected a mapping of field -> value, got {type(metadata).__name__}")
+    out = {}
+    for name, value in metadata.items():
+        if name not in fields:
+            raise VectorIndexError(f"{where}: {_undeclared(name, fields)}")
+        if not _of_type(value, fields[name]):
+            raise VectorIndexError(f"{where}: field {name!r} is declared {fields[name]}, got {type(value).__name__} "
+                                   f"{value!r:.40}")
+        out[name] = int(value) if fields[name] == "integer" else float(value) if fields[name] == "float" else value
+    return out
+
+
+def check_where(where, fields: dict) -> list[tuple[str, str, object]]:
+    """A search's filter as (field, "any" | "range", values | (gte, lte)) conditions, all of which must hold: each
+    field declared; a value (equal), a list (any of) or {"gte": x, "lte": y} (a numeric field's range)."""
+    if where is None:
+        return []
+    if not isinstance(where, dict):
+        raise VectorIndexError(f"filter: expected a mapping of field -> condition, got {type(where).__name__}")
+    out = []
+    for name, cond in where.items():
+        if name not in fields:
+            raise VectorIndexError(f"filter: {_undeclared(name, fields)}")
+        kind = fields[name]
+        if isinstance(cond, dict):
+            if kind not in ("integer", "float") or not cond or set(cond) - {"gte", "lte"}:
+                raise VectorIndexError(f"filter on {name!r}: a range is {{'gte': x, 'lte': y}} on an integer or float "
+                                       f"field; {name!r} is {kind}")
+            if not all(_of_type(v, "float") for v in cond.values()):
+                raise VectorIndexError(f"filter on {name!r}: range bounds must be finite numbers, got {cond!r:.60}")
+            out.append((name, "range", (cond.get("gte"), cond.get("lte"))))
+            continue
+        values = list(cond) if isinstance(cond, (list, tuple)) else [cond]
+        if not values or not all(_of_type(v, kind) for v in values):
+            raise VectorIndexError(f"filter on {name!r}: field {name!r} is declared {kind}, got {cond!r:.60}")
+        if kind == "float":
+            raise VectorIndexError(f"filter on {name!r}: a float field is filtered by a range, {{'gte': x, 'lte': y}}")
+        out.append((name, "any", [int(v) if kind == "integer" else v for v in values]))
+    return out
+
+
+def _check_task(tv: TaskVectors, dim: int | None, fields: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Validate one task completely before anything is written; returns its unit image and text vectors."""
     if not isinstance(tv, TaskVectors):
         raise VectorIndexError(f"expected TaskVectors, got {type(tv).__name__}")
-    for name in ("task", "model_version", "split"):
+    for name in ("task", "model_version", "split", "kind"):
         if not isinstance(getattr(tv, name), str) or not getattr(tv, name):
             raise VectorIndexError(f"TaskVectors.{name} must be a non-empty string, got {getattr(tv, name)!r}")
     where = f"task {tv.task!r} (version {tv.model_version})"
@@ -128,15 +218,43 @@ def _check_task(tv: TaskVectors, dim: int | None) -> tuple[np.ndarray, np.ndarra
         raise VectorIndexError(f"{where}: item_ids must be unique non-empty strings")
     if not all(isinstance(c, str) for c in tv.captions):
         raise VectorIndexError(f"{where}: captions must be strings")
+    known = set(tv.item_ids)
+    for modality in MODALITIES:
+        rows = tv.ids(modality)
+        if len(set(rows)) != len(rows) or not known.issuperset(rows):
+            raise VectorIndexError(f"{where}: {modality}_ids must be distinct item ids of item_ids")
+    if len(set(tv.ids("image")) | set(tv.ids("text"))) != n:
+        raise VectorIndexError(f"{where}: every item needs an image or a text")
     image, text = _unit(tv.image, f"{where} image", dim), _unit(tv.text, f"{where} text", dim)
     if image.shape[1] != text.shape[1]:
         raise VectorIndexError(f"{where}: image dimension {image.shape[1]} != text dimension {text.shape[1]}")
-    if tv.image_uris and (len(tv.image_uris) != n or not all(isinstance(u, str) for u in tv.image_uris)):
-        raise VectorIndexError(f"{where}: image_uris must be one string per row, or none")
-    if not (len(image) == len(text) == len(tv.captions) == n):
-        raise VectorIndexError(f"{where}: lengths differ: {n} item_ids, {len(image)} image rows, "
-                               f"{len(text)} text rows, {len(tv.captions)} captions")
+    nimage, ntext = len(tv.ids("image")), len(tv.ids("text"))
+    if tv.image_uris and (len(tv.image_uris) != nimage or not all(isinstance(u, str) for u in tv.image_uris)):
+        raise VectorIndexError(f"{where}: image_uris must be one string per image row, or none")
+    if not (len(image) == nimage and len(text) == len(tv.captions) == ntext):
+        raise VectorIndexError(f"{where}: lengths differ: {nimage} items with an image, {len(image)} image rows, "
+                               f"{ntext} items with a text, {len(text)} text rows, {len(tv.captions)} captions")
+    if tv.metadata:
+        if len(tv.metadata) != n:
+            raise VectorIndexError(f"{where}: metadata must be one mapping per item, or none")
+        tv.metadata = [check_metadata(m, fields or {}, f"{where} item {i!r} metadata")
+                       for i, m in zip(tv.item_ids, tv.metadata)]
     return image, text
+
+
+def _joined(a: TaskVectors, b: TaskVectors) -> TaskVectors:
+    """Two catalogues' items as one (b's after a's; the ids disjoint)."""
+    def uris(tv):
+        return tv.image_uris or [""] * len(tv.ids("image"))
+
+    def meta(tv):
+        return tv.metadata or [{} for _ in tv.item_ids]
+
+    return TaskVectors(a.task, a.task_index, a.model_version, a.item_ids + b.item_ids,
+                       np.concatenate([np.asarray(a.image, np.float32), np.asarray(b.image, np.float32)]),
+                       np.concatenate([np.asarray(a.text, np.float32), np.asarray(b.text, np.float32)]),
+                       list(a.captions) + list(b.captions), a.split, uris(a) + uris(b), CATALOGUE, meta(a) + meta(b),
+                       a.ids("image") + b.ids("image"), a.ids("text") + b.ids("text"))
 
 
 def _slug(s: str) -> str:
@@ -146,11 +264,13 @@ def _slug(s: str) -> str:
 class VectorIndex:
     """Policy logic (validation, ids, payloads, generations, search merging); storage lives in subclasses."""
 
-    def __init__(self, name: str, lineage: str = "shared"):
+    def __init__(self, name: str, lineage: str = "shared", fields: dict | None = None):
+        """`fields`: the items' own payload fields searches may filter on (name -> one of FIELD_TYPES), each with a
+        payload index; an item's metadata may hold only these."""
         for what, value in (("name", name), ("lineage", lineage)):
             if not isinstance(value, str) or not _SAFE.match(value):
                 raise VectorIndexError(f"index {what} {value!r}: use 1-64 letters, digits, '.', '_' or '-'")
-        self.name, self.lineage = name, lineage
+        self.name, self.lineage, self.fields = name, lineage, check_fields(fields)
         self.progress = False  # a progress bar over points written (the indexing job turns it on)
         self._wlock = threading.Lock()
 
@@ -169,12 +289,88 @@ class VectorIndex:
                 raise VectorIndexError(
                     f"task {vectors.task!r} is already indexed under model version {old['model_version']}; appending "
                     f"version {vectors.model_version} would mix versions within the task: run a reindex instead")
-            arrays = _check_task(vectors, state["dim"])
-            self._check_ids_disjoint([vectors], state)
-            self._sweep(state)  # leftovers of a failed earlier write are never served; clear them
-            new = self._build(state, max(state["generation"], 1), [(vectors, arrays)])
-            new["query_version"] = state.get("query_version") or vectors.model_version
-            return self._commit(state, new)
+            return self._put(state, vectors)
+
+    def upsert(self, vectors: TaskVectors) -> dict:
+        """Add items to catalogue `vectors.task`, or replace those of the same item id (both modalities: an item sent
+        again without a text loses its text); its other items are kept. The catalogue is written again whole in the
+        serving generation and switched atomically, as an append is: a search sees it before or after, never
+        half-written. Under the catalogue's version only: a catalogue never mixes versions."""
+        if not isinstance(vectors, TaskVectors) or vectors.kind != CATALOGUE:
+            raise VectorIndexError(f"upsert takes a catalogue's TaskVectors (kind {CATALOGUE!r}), got {vectors!r:.80}")
+        with self._writing():
+            state = self._read()
+            old = self._catalogue(state, vectors.task, vectors.model_version)
+            if old:
+                kept = self._stored(state, vectors.task, drop=set(vectors.item_ids))
+                vectors = _joined(kept, vectors) if kept else vectors
+            return self._put(state, vectors)
+
+    def delete(self, task: str, item_ids: list[str]) -> tuple[dict, list[str]]:
+        """Remove items from catalogue `task`, switched atomically; returns (the state, the ids it did not hold).
+        A catalogue left with no items leaves the index."""
+        if not isinstance(item_ids, (list, tuple)) or not all(isinstance(i, str) and i for i in item_ids):
+            raise VectorIndexError(f"delete takes a list of item ids, got {item_ids!r:.80}")
+        with self._writing():
+            state = self._read()
+            if task not in state["tasks"]:
+                raise VectorIndexError(f"unknown catalogue {task!r}; indexed: {sorted(state['tasks'])}")
+            self._catalogue(state, task, state["tasks"][task]["model_version"])
+            held = {p["item_id"] for _, p in self._scroll(state, task, "image")} | \
+                {p["item_id"] for _, p in self._scroll(state, task, "text")}
+            missing, drop = [i for i in item_ids if i not in held], set(item_ids) & held
+            if not drop:
+                return self.state(), missing
+            self._sweep(state)
+            kept = self._stored(state, task, drop=drop)
+            if kept:
+                new = self._build(state, max(state["generation"], 1), [(kept, _check_task(kept, state["dim"],
+                                                                                            self.fields))])
+            else:
+                new = copy.deepcopy(state)
+                del new["tasks"][task], new["segments"][task]
+            return self._commit(state, new), missing
+
+    def _catalogue(self, state: dict, task: str, version: str) -> dict | None:
+        """The indexed catalogue `task` (None when not indexed); refused when it is a trained task's gallery or
+        under another version."""
+        old = state["tasks"].get(task)
+        if old and old.get("kind", "task") != CATALOGUE:
+            raise VectorIndexError(f"{task!r} is a trained task's gallery, not a catalogue: items are added to and "
+                                   "deleted from catalogues (name another)")
+        if old and old["model_version"] != version:
+            raise VectorIndexError(f"catalogue {task!r} is indexed under model version {old['model_version']}, not "
+                                   f"{version}: its items are embedded by its own version")
+        return old
+
+    def _put(self, state: dict, vectors: TaskVectors) -> dict:
+        """Write one task (whole) into the serving generation and switch to it."""
+        arrays = _check_task(vectors, state["dim"], self.fields)
+        self._check_ids_disjoint([vectors], state)
+        self._sweep(state)  # leftovers of a failed earlier write are never served; clear them
+        new = self._build(state, max(state["generation"], 1), [(vectors, arrays)])
+        new["query_version"] = state.get("query_version") or vectors.model_version
+        return self._commit(state, new)
+
+    def _stored(self, state: dict, task: str, drop: set = frozenset()) -> TaskVectors | None:
+        """Task `task` as stored (vectors, captions, URIs, metadata), without the items in `drop`; None if none is
+        left."""
+        meta = state["tasks"][task]
+        rows = {m: [(v, p) for v, p in self._scroll(state, task, m) if p["item_id"] not in drop] for m in MODALITIES}
+        items: dict[str, dict] = {}
+        for m in MODALITIES:
+            for _, p in rows[m]:
+                items.setdefault(p["item_id"], p.get(META) or {})
+        if not items:
+            return None
+        dim = state["dim"]
+        vectors = {m: np.asarray([v for v, _ in rows[m]], dtype=np.float32).reshape(-1, dim) for m in MODALITIES}
+        return TaskVectors(task, meta["task_index"], meta["model_version"], list(items), vectors["image"],
+                           vectors["text"], [p.get("caption", "") for _, p in rows["text"]],
+                           split=rows["image"][0][1]["split"] if rows["image"] else rows["text"][0][1]["split"],
+                           image_uris=[p.get("image_uri", "") for _, p in rows["image"]], kind=meta.get("kind", "task"),
+                           metadata=list(items.values()), image_ids=[p["item_id"] for _, p in rows["image"]],
+                           text_ids=[p["item_id"] for _, p in rows["text"]])
 
     def reindex(self, tasks: list[TaskVectors]) -> dict:
         """Reindex: build generation g+1 with exactly these tasks, verify counts, switch atomically, drop g."""
@@ -187,8 +383,8 @@ class VectorIndex:
         names = [t.task for t in tasks]
         if len(set(names)) != len(names):
             raise VectorIndexError(f"reindex got a task twice: {names}")
-        first = _check_task(tasks[0], None)  # a reindex may change the dimension: every task must agree on it
-        items = [(tasks[0], first)] + [(t, _check_task(t, first[0].shape[1])) for t in tasks[1:]]
+        first = _check_task(tasks[0], None, self.fields)  # a reindex may change the dimension: every task must agree
+        items = [(tasks[0], first)] + [(t, _check_task(t, first[0].shape[1], self.fields)) for t in tasks[1:]]
         self._check_ids_disjoint(tasks)
         with self._writing():
             state = self._read()
@@ -250,7 +446,7 @@ class VectorIndex:
             return self.state()
 
     def search(self, vector: np.ndarray, target_modality: str, task: str | None = None, k: int = 10,
-               normalize_per_task: bool = False) -> list[Hit]:
+               normalize_per_task: bool = False, **options) -> list[Hit]:
         """task given = task-known; None = one ranking over all tasks by raw cosine (the paper's setting).
 
         normalize_per_task=True ranks task-unknown hits by each task's z-scored cosine (statistics over the
@@ -259,14 +455,22 @@ class VectorIndex:
         v = np.asarray(vector)
         if v.ndim != 1:
             raise VectorIndexError(f"search takes one vector [D], got shape {v.shape}; use search_batch")
-        return self.search_batch(v[None, :], target_modality, task, k, normalize_per_task)[0]
+        return self.search_batch(v[None, :], target_modality, task, k, normalize_per_task, **options)[0]
 
     def search_batch(self, vectors: np.ndarray, target_modality: str, task: str | None = None, k: int = 10,
-                     normalize_per_task: bool = False) -> list[list[Hit]]:
+                     normalize_per_task: bool = False, where: dict | None = None, score_threshold: float | None = None,
+                     offset: int = 0) -> list[list[Hit]]:
+        """Per query, hits offset+1 .. offset+k of its ranking (`offset`: paging), only items whose declared fields
+        match `where` (`check_where`) and only scores of at least `score_threshold` (a cosine)."""
         if target_modality not in MODALITIES:
             raise VectorIndexError(f"target_modality must be one of {MODALITIES}, got {target_modality!r}")
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_K:
             raise VectorIndexError(f"k must be an integer in [1, {MAX_K}], got {k!r}")
+        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or not 0 <= offset <= MAX_DEPTH - k:
+            raise VectorIndexError(f"offset must be an integer in [0, {MAX_DEPTH} - k], got {offset!r}")
+        if score_threshold is not None and not (_of_type(score_threshold, "float") and -1 <= score_threshold <= 1):
+            raise VectorIndexError(f"score_threshold must be a cosine in [-1, 1], got {score_threshold!r}")
+        conditions, depth = check_where(where, self.fields), int(offset) + int(k)
         for attempt in range(3):
             state = self._read()
             if not state["tasks"]:
@@ -278,16 +482,17 @@ class VectorIndex:
                 return []
             try:
                 if task is None and normalize_per_task:
-                    rows = self._zscored(state, target_modality, queries, int(k))
+                    rows = self._zscored(state, target_modality, queries, depth, conditions)
                 else:
                     rows = self._query(state, target_modality, [task] if task else sorted(state["tasks"]),
-                                       queries, int(k))
+                                       queries, depth, conditions)
             except Exception:
                 # a writer switched generations and dropped what this snapshot named: retry on the new one
                 if attempt == 2 or self._read() == state:
                     raise
                 continue
-            return [[self._hit(score, p) for score, p in row] for row in rows]
+            return [[self._hit(score, p) for score, p in row[offset:]
+                     if score_threshold is None or score >= score_threshold] for row in rows]
 
     def points(self, task: str, modality: str) -> dict[str, tuple[bytes, dict]]:
         """item_id -> (float32 vector bytes as stored, payload) of one task in the serving generation."""
@@ -327,26 +532,27 @@ class VectorIndex:
                 continue
             # same item, version and lineage give the same point id: look the new ids up instead of reading the
             # other tasks' points, so an append costs what the new task holds, not what the index holds
-            ids = {point_id(i, "image", tv.model_version, self.lineage): i for i in tv.item_ids}
-            for other, taken in self._taken(state, others, list(ids)).items():
-                if taken:
-                    raise VectorIndexError(f"item ids {sorted(ids[t] for t in taken)[:3]} of task {tv.task!r} are "
-                                           f"already used by task {other!r} under version {tv.model_version}")
+            for modality in MODALITIES:
+                ids = {point_id(i, modality, tv.model_version, self.lineage): i for i in tv.ids(modality)}
+                for other, taken in (self._taken(state, others, list(ids), modality) if ids else {}).items():
+                    if taken:
+                        raise VectorIndexError(f"item ids {sorted(ids[t] for t in taken)[:3]} of task {tv.task!r} are "
+                                               f"already used by task {other!r} under version {tv.model_version}")
 
     def _build(self, state: dict, gen: int, items: list, fresh: bool = False) -> dict:
         """Write the tasks into generation `gen`, verify the stored counts, return the state to publish."""
         new = self._empty() if fresh else copy.deepcopy(state)
         new["generation"], new["dim"] = gen, int(items[0][1][0].shape[1])
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        bar = console.bar(total=sum(2 * len(tv.item_ids) for tv, _ in items), unit="pt", desc=f"index g{gen}",
-                   disable=not self.progress)
+        bar = console.bar(total=sum(len(tv.ids(m)) for tv, _ in items for m in MODALITIES), unit="pt",
+                          desc=f"index g{gen}", disable=not self.progress)
         # a reindexed generation is written whole: where storage merges it (Edge), one segment per modality holds
         # every task, so a task-unknown search walks one graph instead of one per task
         groups = [items] if fresh and self.merges_reindex and len(items) > 1 else [[item] for item in items]
         for group in groups:
             refs = {}
             for m, modality in enumerate(MODALITIES):
-                ids = [point_id(i, modality, tv.model_version, self.lineage) for tv, _ in group for i in tv.item_ids]
+                ids = [point_id(i, modality, tv.model_version, self.lineage) for tv, _ in group for i in tv.ids(modality)]
                 payloads = [p for tv, _ in group for p in self._payloads(tv, modality, gen, now)]
                 x = np.concatenate([arrays[m] for _, arrays in group])
                 refs[modality] = self._write(gen, group[0][0].task if len(group) == 1 else None, modality, ids, x,
@@ -356,20 +562,22 @@ class VectorIndex:
             for tv, _ in group:
                 counts = {modality: stored[modality][tv.task] for modality in MODALITIES}
                 for modality, count in counts.items():
-                    if count != len(tv.item_ids):
+                    if count != len(tv.ids(modality)):
                         raise VectorIndexError(f"task {tv.task!r} {modality}: stored {count} points, expected "
-                                               f"{len(tv.item_ids)}; the serving generation is unchanged, rerun to "
-                                               "complete")
+                                               f"{len(tv.ids(modality))}; the serving generation is unchanged, rerun "
+                                               "to complete")
                 new["tasks"][tv.task] = {"task_index": tv.task_index, "model_version": tv.model_version,
-                                         "counts": counts, "indexed_at": now}
+                                         "counts": counts, "indexed_at": now, "kind": tv.kind}
                 new["segments"][tv.task] = dict(refs)
         bar.close()
         return new
 
     def _payloads(self, tv: TaskVectors, modality: str, gen: int, now: str) -> list[dict]:
+        meta = dict(zip(tv.item_ids, tv.metadata)) if tv.metadata else {}
         payloads = [{"item_id": i, "task": tv.task, "task_index": tv.task_index, "modality": modality,
                      "model_version": tv.model_version, "index_generation": gen, "lineage": self.lineage,
-                     "split": tv.split, "indexed_at": now} for i in tv.item_ids]
+                     "split": tv.split, "indexed_at": now, **({META: meta[i]} if meta.get(i) else {})}
+                    for i in tv.ids(modality)]
         if modality == "text":
             for p, c in zip(payloads, tv.captions):
                 p["caption"] = c
@@ -383,21 +591,27 @@ class VectorIndex:
         self._sweep(new)
         return {k: v for k, v in copy.deepcopy(new).items() if k != "segments"}
 
-    def _zscored(self, state: dict, modality: str, queries: np.ndarray, k: int) -> list[list]:
+    def _zscored(self, state: dict, modality: str, queries: np.ndarray, k: int, conditions: list = ()) -> list[list]:
         merged = [[] for _ in queries]
         for t in sorted(state["tasks"]):
-            for q, row in enumerate(self._query(state, modality, [t], queries, max(k, Z_POOL))):
+            for q, row in enumerate(self._query(state, modality, [t], queries, max(k, Z_POOL), conditions)):
+                if not row:
+                    continue
                 scores = np.array([s for s, _ in row])
                 mu, sd = scores.mean(), scores.std()
                 merged[q] += [((s - mu) / (sd if sd > 0 else 1.0), s, p) for s, p in row]
         return [[(s, p) for _, s, p in heapq.nlargest(k, row, key=lambda r: r[0])] for row in merged]
+
+    def _payload_indexes(self) -> dict[str, str]:
+        """payload key -> index type: the fixed fields' and the declared ones'."""
+        return {**PAYLOAD_INDEXES, **{f"{META}.{name}": kind for name, kind in self.fields.items()}}
 
     @staticmethod
     def _hit(score: float, p: dict) -> Hit:
         return Hit(item_id=p["item_id"], task=p["task"], task_index=p["task_index"], modality=p["modality"],
                    score=float(score), model_version=p["model_version"], index_generation=p["index_generation"],
                    lineage=p["lineage"], caption=p.get("caption") if p["modality"] == "text" else None,
-                   image_uri=p.get("image_uri") if p["modality"] == "image" else None)
+                   image_uri=p.get("image_uri") if p["modality"] == "image" else None, metadata=p.get(META) or {})
 
     @contextlib.contextmanager
     def _writing(self):
@@ -421,8 +635,8 @@ class VectorIndex:
         """task -> points it has in ref, read back from storage."""
         raise NotImplementedError
 
-    def _taken(self, state: dict, tasks: list[str], ids: list[str]) -> dict[str, list[str]]:
-        """task -> those of these image point ids it stores in the serving generation (lookups by id)."""
+    def _taken(self, state: dict, tasks: list[str], ids: list[str], modality: str) -> dict[str, list[str]]:
+        """task -> those of these point ids (of `modality`) it stores in the serving generation (lookups by id)."""
         raise NotImplementedError
 
     def _publish(self, new: dict) -> None:
@@ -433,8 +647,10 @@ class VectorIndex:
         """Delete storage that `state` (the published one) does not reference."""
         raise NotImplementedError
 
-    def _query(self, state: dict, modality: str, tasks: list[str], queries: np.ndarray, limit: int) -> list[list]:
-        """Per query, the top `limit` (score, payload) over the given tasks, best first."""
+    def _query(self, state: dict, modality: str, tasks: list[str], queries: np.ndarray, limit: int,
+               conditions: list = ()) -> list[list]:
+        """Per query, the top `limit` (score, payload) over the given tasks whose points meet `conditions`
+        (`check_where`'s), best first."""
         raise NotImplementedError
 
     def _scroll(self, state: dict, task: str, modality: str):
@@ -451,10 +667,11 @@ class EdgeIndex(VectorIndex):
     Writers serialise on a flock. A task-unknown search queries every task's segment and merges their top-k.
     """
 
-    def __init__(self, root: str | Path, name: str = "clipstream", lineage: str = "shared", hnsw_ef: int = 0):
+    def __init__(self, root: str | Path, name: str = "clipstream", lineage: str = "shared", hnsw_ef: int = 0,
+                 fields: dict | None = None):
         """`hnsw_ef`: the candidate list of every HNSW segment's searches (a recall/latency sweep); 0: the rule,
         HNSW_EF and more past HNSW_EF_POINTS points."""
-        super().__init__(name, lineage)
+        super().__init__(name, lineage, fields)
         import qdrant_edge as qe
 
         self._qe, self._hnsw_ef = qe, hnsw_ef
@@ -469,19 +686,28 @@ class EdgeIndex(VectorIndex):
         for shard, _ in shards.values():
             shard.close()
 
-    def _filter(self, tasks: list[str]):
-        qe = self._qe
-        match = qe.MatchValue(tasks[0]) if len(tasks) == 1 else qe.MatchAny(tasks)
-        return qe.Filter(must=[qe.FieldCondition(key="task", match=match)])
+    def _filter(self, tasks: list[str], conditions: list = ()):
+        """Points of `tasks` (none: any) meeting `conditions`; None when that is every point."""
+        qe, must = self._qe, []
+        if tasks:
+            must.append(qe.FieldCondition(key="task", match=qe.MatchValue(tasks[0]) if len(tasks) == 1
+                                          else qe.MatchAny(tasks)))
+        for name, how, values in conditions:
+            if how == "range":
+                must.append(qe.FieldCondition(key=f"{META}.{name}", range=qe.RangeFloat(gte=values[0], lte=values[1])))
+            else:
+                must.append(qe.FieldCondition(key=f"{META}.{name}", match=qe.MatchValue(values[0]) if len(values) == 1
+                                              else qe.MatchAny(values)))
+        return qe.Filter(must=must) if must else None
 
-    def _by_segment(self, state: dict, modality: str, tasks: list[str]) -> dict:
+    def _by_segment(self, state: dict, modality: str, tasks: list[str], conditions: list = ()) -> dict:
         """ref -> (the filter its search needs, or None; the tasks it serves). A merged segment (a reindexed
         generation) holds other tasks, or an older copy of a task appended again since: filter it to the tasks
         it serves; a task's own segment holds only that task."""
         out: dict[str, list[str]] = {}
         for t in tasks:
             out.setdefault(state["segments"][t][modality], []).append(t)
-        return {ref: (self._filter(ts) if ref.split("/")[-1].startswith(MERGED) else None, ts)
+        return {ref: (self._filter(ts if ref.split("/")[-1].startswith(MERGED) else [], conditions), ts)
                 for ref, ts in out.items()}
 
     @contextlib.contextmanager
@@ -521,7 +747,8 @@ class EdgeIndex(VectorIndex):
 
     def _write(self, gen, task, modality, ids, x, payloads):
         qe = self._qe
-        ref = f"g{gen}/{_slug(task) if task else MERGED}.{modality}.v{_slug(payloads[0]['model_version'])}.{uuid.uuid4().hex[:8]}"
+        version = _slug(payloads[0]["model_version"]) if payloads else "none"
+        ref = f"g{gen}/{_slug(task) if task else MERGED}.{modality}.v{version}.{uuid.uuid4().hex[:8]}"
         config = qe.EdgeConfig(
             # held in RAM when a reader opens the segment (Pinned): a search never waits for a page fault
             vectors=qe.EdgeVectorParams(size=x.shape[1], distance=qe.Distance.Cosine, memory=qe.Memory.Pinned),
@@ -536,8 +763,9 @@ class EdgeIndex(VectorIndex):
             wal_enabled=False)
         shard = qe.EdgeShard.create(str(self._dir / ref), config)
         try:
-            kinds = {"keyword": qe.PayloadSchemaType.Keyword, "integer": qe.PayloadSchemaType.Integer}
-            for field, kind in PAYLOAD_INDEXES.items():
+            kinds = {"keyword": qe.PayloadSchemaType.Keyword, "integer": qe.PayloadSchemaType.Integer,
+                     "float": qe.PayloadSchemaType.Float}
+            for field, kind in self._payload_indexes().items():
                 shard.update(qe.UpdateOperation.create_field_index(field, kinds[kind]))
             for s in range(0, len(ids), BATCH):
                 chunk = zip(ids[s:s + BATCH], x[s:s + BATCH], payloads[s:s + BATCH])
@@ -579,9 +807,9 @@ class EdgeIndex(VectorIndex):
         for tmp in self._dir.glob(".manifest.*.tmp"):
             tmp.unlink(missing_ok=True)
 
-    def _query(self, state, modality, tasks, queries, limit):
+    def _query(self, state, modality, tasks, queries, limit, conditions=()):
         qe, per_segment = self._qe, []
-        for ref, (flt, _) in self._by_segment(state, modality, tasks).items():
+        for ref, (flt, _) in self._by_segment(state, modality, tasks, conditions).items():
             shard, ef = self._open(ref)
             # (a segment without a graph is scanned over its int8 vectors too: scanning the float32 ones, quantisation
             # ignored, was slower in `clipstream bench search`: 4x the bytes to read)
@@ -594,9 +822,9 @@ class EdgeIndex(VectorIndex):
         return [heapq.nlargest(limit, ((p.score, p.payload) for res in per_segment for p in res[q]), key=lambda r: r[0])
                 for q in range(len(queries))]
 
-    def _taken(self, state, tasks, ids):
+    def _taken(self, state, tasks, ids, modality):
         out = {t: [] for t in tasks}
-        for ref, (_, served) in self._by_segment(state, "image", tasks).items():
+        for ref, (_, served) in self._by_segment(state, modality, tasks).items():
             for r in self._open(ref)[0].retrieve(ids, True, False):
                 if r.payload["task"] in served:  # a merged segment also holds other tasks' points
                     out[r.payload["task"]].append(str(r.id))
@@ -621,8 +849,8 @@ class ServerIndex(VectorIndex):
     alias once and queries that generation's collection, so one result never mixes generations.
     """
 
-    def __init__(self, client, name: str = "clipstream", lineage: str = "shared"):
-        super().__init__(name, lineage)
+    def __init__(self, client, name: str = "clipstream", lineage: str = "shared", fields: dict | None = None):
+        super().__init__(name, lineage, fields)
         from qdrant_client import models
 
         self._m, self.client, self._owns_client = models, client, False
@@ -637,10 +865,16 @@ class ServerIndex(VectorIndex):
     def _coll(self, gen: int, modality: str) -> str:
         return f"{self._prefix}-g{gen}-{modality}"
 
-    def _filter(self, tasks: list[str]):
+    def _filter(self, tasks: list[str], conditions: list = ()):
         m = self._m
         match = m.MatchValue(value=tasks[0]) if len(tasks) == 1 else m.MatchAny(any=tasks)
-        return m.Filter(must=[m.FieldCondition(key="task", match=match)])
+        must = [m.FieldCondition(key="task", match=match)]
+        for name, how, values in conditions:
+            key = f"{META}.{name}"
+            must.append(m.FieldCondition(key=key, range=m.Range(gte=values[0], lte=values[1])) if how == "range" else
+                        m.FieldCondition(key=key, match=m.MatchValue(value=values[0]) if len(values) == 1
+                                         else m.MatchAny(any=values)))
+        return m.Filter(must=must)
 
     def _aliases(self) -> dict[str, str]:
         return {a.alias_name: a.collection_name for a in self.client.get_aliases().aliases}
@@ -660,7 +894,7 @@ class ServerIndex(VectorIndex):
         if not self.client.collection_exists(coll):
             params = m.VectorParams(size=x.shape[1], distance=m.Distance.COSINE)
             self.client.create_collection(coll, vectors_config=params)
-            for field, kind in PAYLOAD_INDEXES.items():  # before the upload, so points are indexed as they arrive
+            for field, kind in self._payload_indexes().items():  # before the upload: points are indexed as they come
                 self.client.create_payload_index(coll, field, field_schema=kind, wait=True)
         for s in range(0, len(ids), BATCH):
             chunk = zip(ids[s:s + BATCH], x[s:s + BATCH], payloads[s:s + BATCH])
@@ -675,8 +909,8 @@ class ServerIndex(VectorIndex):
     def _counts(self, ref, tasks):
         return {t: self.client.count(ref, count_filter=self._filter([t]), exact=True).count for t in tasks}
 
-    def _taken(self, state, tasks, ids):
-        found = self.client.retrieve(self._coll(state["generation"], "image"), ids, with_payload=["task"])
+    def _taken(self, state, tasks, ids, modality):
+        found = self.client.retrieve(self._coll(state["generation"], modality), ids, with_payload=["task"])
         return {t: [str(r.id) for r in found if r.payload["task"] == t] for t in tasks}
 
     def _publish(self, new):
@@ -711,8 +945,8 @@ class ServerIndex(VectorIndex):
             if stale:
                 self.client.delete(self._state_coll, points_selector=self._m.PointIdsList(points=stale), wait=True)
 
-    def _query(self, state, modality, tasks, queries, limit):
-        m, flt = self._m, self._filter(tasks)  # only published tasks: a half-written append is never served
+    def _query(self, state, modality, tasks, queries, limit, conditions=()):
+        m, flt = self._m, self._filter(tasks, conditions)  # only published tasks: a half-written append is never served
         responses = self.client.query_batch_points(self._coll(state["generation"], modality), requests=[
             m.QueryRequest(query=q.tolist(), filter=flt, limit=limit, with_payload=True) for q in queries])
         return [[(p.score, p.payload) for p in r.points] for r in responses]
@@ -736,12 +970,12 @@ def open_index(settings, name: str | None = None, lineage: str = "shared") -> Ve
     (`local:PATH` selects qdrant-client's own on-disk local mode, the server API without a server)."""
     name = name or settings.stream
     if not settings.qdrant_url:
-        return EdgeIndex(settings.qdrant_path, name, lineage)
+        return EdgeIndex(settings.qdrant_path, name, lineage, fields=settings.index_fields)
     from qdrant_client import QdrantClient
 
     url = settings.qdrant_url
     client = (QdrantClient(path=url.removeprefix("local:")) if url.startswith("local:")
               else QdrantClient(url=url, api_key=settings.secret("qdrant_api_key")))
-    index = ServerIndex(client, name, lineage)
+    index = ServerIndex(client, name, lineage, fields=settings.index_fields)
     index._owns_client = True
     return index

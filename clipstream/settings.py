@@ -104,6 +104,10 @@ class Settings(BaseSettings):
     embed_precision: Precision = Field("auto", description="the dtype a model embeds in when serving, indexing and "
                                        "evaluating: auto is bf16 on a GPU that has it (else fp16) and fp32 on the CPU; "
                                        "vectors are unit float32 either way")
+    index_fields: dict[str, Literal["keyword", "integer", "float"]] = Field(
+        default_factory=dict, description="the fields catalogue items (AddItems) may carry in their metadata, each "
+        "with a payload index, and the ones searches may filter on: name -> keyword, integer or float; a JSON "
+        "object in CLIPSTREAM_INDEX_FIELDS, e.g. {\"brand\": \"keyword\", \"price\": \"float\"}")
     index_compact_segments: int = Field(4, ge=0, description="when no-reindex appends leave more segments per "
                                         "modality than this, the indexing job merges them into one (a task-unknown "
                                         "search reads each: `clipstream compact`); 0: never")

@@ -44,11 +44,11 @@ def make(request, tmp_path):
     client = QdrantClient(location=":memory:") if request.param == "server" else None
     opened = []
 
-    def _make(lineage="shared"):
+    def _make(lineage="shared", fields=None):
         if client is None:
-            idx = EdgeIndex(tmp_path / "edge", lineage=lineage)
+            idx = EdgeIndex(tmp_path / "edge", lineage=lineage, fields=fields)
         else:
-            idx = ServerIndex(client, lineage=lineage)
+            idx = ServerIndex(client, lineage=lineage, fields=fields)
         opened.append(idx)
         return idx
 
@@ -225,7 +225,7 @@ def test_wrong_dimension_and_bad_vectors_refused_without_change(index):
         index.append(bad)
     bad = tv("b", "2")
     bad.image_uris = ["/only/one.png"]
-    with pytest.raises(VectorIndexError, match="image_uris must be one string per row"):
+    with pytest.raises(VectorIndexError, match="image_uris must be one string per image row"):
         index.append(bad)
     with pytest.raises(VectorIndexError, match="zero vector"):
         index.search(np.zeros(DIM), "image")
@@ -731,3 +731,116 @@ def test_a_segment_below_the_graph_threshold_is_scanned_exactly(tmp_path):
         ids, scores = brute(gallery_of(tasks, "image"), q, 10)
         assert [h.item_id for h in hits] == list(ids)
         np.testing.assert_allclose([h.score for h in hits], scores, atol=1e-6)
+
+
+FIELDS = {"brand": "keyword", "price": "float", "year": "integer", "size": "keyword"}
+
+
+def catalogue(version, items, dim=DIM, task="shop"):
+    """A catalogue's TaskVectors from {item_id: (has image, has text, metadata)}; deterministic vectors per item."""
+    def vec(i, m):
+        return np.random.default_rng(zlib.crc32(f"{i}/{m}/{version}".encode())).standard_normal(dim)
+
+    image_ids = [i for i, (img, _, _) in items.items() if img]
+    text_ids = [i for i, (_, txt, _) in items.items() if txt]
+    return TaskVectors(task, 9, version, list(items), np.array([vec(i, "image") for i in image_ids]).reshape(-1, dim),
+                       np.array([vec(i, "text") for i in text_ids]).reshape(-1, dim), [f"caption {i}" for i in text_ids],
+                       split="catalogue", image_uris=[f"/imgs/{i}.png" for i in image_ids], kind="catalogue",
+                       metadata=[m for _, _, m in items.values()], image_ids=image_ids, text_ids=text_ids)
+
+
+def unchanged(idx, task, before) -> bool:
+    """The task holds the same points as `before` ({modality: idx.points()}): payloads equal, vectors to float32
+    precision (qdrant-client's local mode rewrites a stored vector's last bits when it first searches it)."""
+    now = {m: idx.points(task, m) for m in MODALITIES}
+    return all(now[m].keys() == before[m].keys() and all(
+        now[m][i][1] == p and np.allclose(np.frombuffer(now[m][i][0], np.float32), np.frombuffer(v, np.float32),
+                                          atol=1e-6) for i, (v, p) in before[m].items()) for m in MODALITIES)
+
+
+def test_a_catalogue_takes_items_replaces_them_by_id_and_deletes_them(make):
+    idx = make(fields=FIELDS)
+    idx.append(tv("a", "1"))
+    before = {m: idx.points("a", m) for m in MODALITIES}
+    idx.upsert(catalogue("1", {"i1": (True, True, {"brand": "acme"}), "i2": (True, False, {"price": 3}),
+                               "i3": (False, True, {})}))
+    state = idx.state()
+    assert state["tasks"]["shop"]["counts"] == {"image": 2, "text": 2} and state["tasks"]["shop"]["kind"] == "catalogue"
+    # again: i2 replaced (now text only, other fields), i4 added, i1 and i3 kept as they were
+    i1 = idx.points("shop", "image")["i1"]
+    idx.upsert(catalogue("1", {"i2": (False, True, {"brand": "zed", "year": 2020.0}), "i4": (True, True, {})}))
+    images, texts = idx.points("shop", "image"), idx.points("shop", "text")
+    assert set(images) == {"i1", "i4"} and set(texts) == {"i1", "i2", "i3", "i4"}
+    assert np.allclose(np.frombuffer(images["i1"][0], np.float32), np.frombuffer(i1[0], np.float32), atol=1e-6)
+    assert texts["i2"][1]["meta"] == {"brand": "zed", "year": 2020} and images["i1"][1]["meta"] == {"brand": "acme"}
+    assert images["i4"][1]["image_uri"] == "/imgs/i4.png" and texts["i3"][1]["caption"] == "caption i3"
+    hit = idx.search(np.frombuffer(texts["i2"][0], np.float32), "text", "shop", k=1)[0]
+    assert (hit.item_id, hit.metadata, round(hit.score, 4)) == ("i2", {"brand": "zed", "year": 2020}, 1.0)
+    assert idx.delete("shop", ["i1", "nope"])[1] == ["nope"]
+    assert idx.state()["tasks"]["shop"]["counts"] == {"image": 1, "text": 3}
+    state, missing = idx.delete("shop", ["i2", "i3", "i4"])
+    assert missing == [] and "shop" not in state["tasks"] and "shop" not in idx.state()["tasks"]
+    assert unchanged(idx, "a", before)  # the trained task's gallery never moved
+    assert [h.task for h in idx.search(unit(np.ones(DIM)), "image", None, k=50)] == ["a"] * 20
+
+
+def test_a_catalogue_refuses_what_would_mix_or_clash_and_changes_nothing(make):
+    idx = make(fields=FIELDS)
+    idx.append(tv("a", "1"))
+    idx.upsert(catalogue("1", {"i1": (True, True, {})}))
+    before = {t: {m: idx.points(t, m) for m in MODALITIES} for t in ("a", "shop")}
+    refusals = [
+        (lambda: idx.upsert(catalogue("1", {"x": (True, True, {})}, task="a")), "trained task's gallery"),
+        (lambda: idx.upsert(catalogue("2", {"x": (True, True, {})})), "indexed under model version 1"),
+        (lambda: idx.upsert(catalogue("1", {"a-001": (True, True, {})})), "already used by task 'a'"),
+        (lambda: idx.upsert(catalogue("1", {"x": (True, True, {"brnd": "acme"})})), "did you mean 'brand'"),
+        (lambda: idx.upsert(catalogue("1", {"x": (True, True, {"year": "2020"})})), "declared integer, got str"),
+        (lambda: idx.upsert(catalogue("1", {"x": (True, True, {"year": True})})), "declared integer, got bool"),
+        (lambda: idx.upsert(catalogue("1", {"x": (False, False, {})})), "needs an image or a text"),
+        (lambda: idx.upsert(tv("b", "1")), "catalogue's TaskVectors"),
+        (lambda: idx.delete("a", ["a-001"]), "trained task's gallery"),
+        (lambda: idx.delete("nope", ["x"]), "unknown catalogue"),
+    ]
+    for call, message in refusals:
+        with pytest.raises(VectorIndexError, match=re.escape(message)):
+            call()
+    assert all(unchanged(idx, t, before[t]) for t in ("a", "shop"))
+
+
+def test_search_filters_on_declared_fields_pages_and_thresholds(make):
+    idx = make(fields=FIELDS)
+    idx.append(tv("a", "1"))
+    brands = ["acme", "zed", "acme", "bolt"] * 10
+    items = {f"p{i:02d}": (True, True, {"brand": brands[i], "price": float(i), "year": 2000 + i % 3, "size": "SM"[i % 2]})
+             for i in range(40)}
+    idx.upsert(catalogue("1", items))
+    images = {i: np.frombuffer(b, np.float32) for i, (b, _) in idx.points("shop", "image").items()}
+    query = unit(np.random.default_rng(0).standard_normal(DIM))
+
+    def expected(keep, k=40):
+        return brute({i: v for i, v in images.items() if keep(items[i][2])}, query, k)[0]
+
+    def got(where=None, **kw):
+        return [h.item_id for h in idx.search(query, "image", "shop", k=kw.pop("k", 40), where=where, **kw)]
+
+    assert got({"brand": "acme"}) == expected(lambda m: m["brand"] == "acme")
+    assert got({"brand": ["zed", "bolt"], "size": "M"}) == expected(lambda m: m["brand"] in ("zed", "bolt")
+                                                                     and m["size"] == "M")
+    assert got({"price": {"gte": 5, "lte": 20.5}, "year": 2001}) == expected(lambda m: 5 <= m["price"] <= 20.5
+                                                                            and m["year"] == 2001)
+    # task-unknown too: the trained task's points carry no fields, so a filter leaves only catalogue items
+    assert {h.task for h in idx.search(query, "image", None, k=50, where={"brand": "acme"})} == {"shop"}
+    # pages: offset + k walks one ranking; a threshold cuts it at a cosine
+    ranking_ = got()
+    assert [i for o in range(0, 40, 7) for i in got(k=7, offset=o)] == ranking_
+    hits = idx.search(query, "image", "shop", k=40, score_threshold=0.1)
+    assert hits and all(h.score >= 0.1 for h in hits) and [h.item_id for h in hits] == ranking_[:len(hits)]
+    for where, message in [({"brnd": "acme"}, "did you mean 'brand'"), ({"brand": 3}, "declared keyword"),
+                           ({"price": 3.0}, "filtered by a range"), ({"brand": {"gte": 1}}, "a range is"),
+                           ({"year": {"gte": "x"}}, "finite numbers"), ("brand=acme", "expected a mapping")]:
+        with pytest.raises(VectorIndexError, match=re.escape(message)):
+            got(where)
+    for kw, message in [({"offset": -1}, "offset must be"), ({"offset": 9_999, "k": 10}, "offset must be"),
+                        ({"score_threshold": 2.0}, "score_threshold must be")]:
+        with pytest.raises(VectorIndexError, match=message):
+            got(**kw)
