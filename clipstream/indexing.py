@@ -18,8 +18,8 @@ from typing import Optional
 import numpy as np
 import ray.data
 
-from clipstream import models
-from clipstream.index import NO_REINDEX, POLICIES, REINDEX, Policy, TaskVectors, VectorIndex, open_index
+from clipstream import catalogue, models
+from clipstream.index import CATALOGUE, NO_REINDEX, POLICIES, REINDEX, Policy, TaskVectors, VectorIndex, open_index
 from clipstream.registry import Registry, Version
 from clipstream.settings import Settings
 from clipstream.training import evaluate
@@ -166,12 +166,14 @@ def index_task(settings: Settings, version_ref: str, task_dir: str | Path, polic
                                        ray_min_rows=settings.index_ray_min_rows, **_on(settings)))
             state = _compacted(index, settings)
         else:
-            names = list(index.state()["tasks"]) + [task.name]
+            trained, catalogues = _kinds(index.state())
+            names = trained + [task.name]
             unknown = [n for n in names if n not in lineage]
             if unknown:
                 raise ValueError(f"reindex refused: indexed task(s) {unknown} are not in this version's lineage")
             state = index.reindex([_regallery(index, registry, version, n, lineage, split, settings.index_ray_min_rows,
-                                              reuse_images, **_on(settings)) for n in sorted(dict.fromkeys(names), key=lambda n: lineage[n][0])])
+                                              reuse_images, **_on(settings)) for n in sorted(dict.fromkeys(names), key=lambda n: lineage[n][0])]
+                                  + [_recatalogue(settings, version, c) for c in catalogues])
     return _record(registry, version.version, state, policy)
 
 
@@ -181,7 +183,8 @@ def put_lineage(settings: Settings, version: Version, split: str = "test") -> di
 
     no-reindex: append the lineage tasks the index lacks (the others keep their vectors); reindex: one
     atomic generation with exactly the lineage under this version (which also drops tasks outside it,
-    such as the newer tasks a rollback leaves behind)."""
+    such as the newer tasks a rollback leaves behind). Catalogues (items users added) are no task of a lineage:
+    kept as they are under no-reindex, embedded again from their stored items by this version under reindex."""
     registry, lineage = Registry(settings), _lineage(version)
     with open_index(settings) as index:
         index.progress = True
@@ -197,12 +200,13 @@ def put_lineage(settings: Settings, version: Version, split: str = "test") -> di
         elif not lineage:
             raise ValueError(f"version {version.version} serves no task (a version 0 registered without --evaluate): "
                              "the reindex policy would empty the index; register the model with --evaluate TASK")
-        elif set(state["tasks"]) != set(lineage) or any(t["model_version"] != version.version
-                                                        for t in state["tasks"].values()):
+        elif set(_kinds(state)[0]) != set(lineage) or any(t["model_version"] != version.version
+                                                          for t in state["tasks"].values()):
             state = _record(registry, version.version,
                             index.reindex([_regallery(index, registry, version, n, lineage, split, settings.index_ray_min_rows,
                                                       **_on(settings))
-                                           for n in lineage]), REINDEX)
+                                           for n in lineage]
+                                          + [_recatalogue(settings, version, c) for c in _kinds(state)[1]]), REINDEX)
         # Search switches its query encoder here, with the gallery in place (a reindex already pinned it)
         return index.pin(version.version) if state["tasks"] else state
 
@@ -251,6 +255,25 @@ def _regallery(index: VectorIndex, registry: Registry, version: Version, name: s
         registry.resolve(stored["model_version"], download=False).image_tower == version.image_tower
     return embed_gallery(version, task, task_index, split, stored_images=index.points(name, "image") if same else None,
                          ray_min_rows=ray_min_rows, gpus=gpus, precision=precision)
+
+
+def _kinds(state: dict) -> tuple[list[str], list[str]]:
+    """The indexed tasks' names: (trained tasks' galleries, catalogues)."""
+    kinds = {name: meta.get("kind", "task") for name, meta in state["tasks"].items()}
+    return [n for n, k in kinds.items() if k != CATALOGUE], [n for n, k in kinds.items() if k == CATALOGUE]
+
+
+def _recatalogue(settings: Settings, version: Version, name: str, batch_size: int = 64) -> TaskVectors:
+    """Catalogue `name` embedded by `version` from its stored items, for a reindex."""
+    store = catalogue.Catalogue.of(settings, name)
+    items = list(store.items().values())
+    if not items:
+        raise DataError(f"reindex refused: catalogue {name!r} is indexed but its items are not stored in {store.root} "
+                        "(HOME moved?); point HOME at them, or delete the catalogue's items, or use --policy no-reindex")
+    bundle = models.load_exported(version.folder).to(*models.placement(settings.embed_precision))
+    return catalogue.vectors(name, version.version, items,
+                             bundle.embed_images([store.image_path(i) for i in items if i.image], batch_size),
+                             bundle.embed_texts([i.text for i in items if i.text], batch_size))
 
 
 def _on(settings: Settings) -> dict:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import grpc
 import numpy as np
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.struct_pb2 import ListValue, Struct
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
@@ -182,9 +183,10 @@ class _Calls:
     def _images(images: Sequence[str | Path | bytes]) -> list[bytes]:
         return [x if isinstance(x, bytes) else Path(x).read_bytes() for x in images]
 
-    @staticmethod
-    def _search_request(text, image, vector, task: str, k: int, target_modality: str, model_version: str,
-                        language: str):
+    @classmethod
+    def _search_request(cls, text=None, image=None, vector=None, task: str = "", k: int = 10,
+                        target_modality: str = "", model_version: str = "", language: str = "",
+                        filters: Optional[dict] = None, score_threshold: Optional[float] = None, page_token: str = ""):
         if sum(x is not None for x in (text, image, vector)) != 1:
             raise ValueError("give exactly one of text, image or vector")
         query = ({"text": text} if text is not None else {"vector": search_pb2.Vector(values=list(vector))}
@@ -194,7 +196,48 @@ class _Calls:
                              f"got {target_modality!r}")
         modality = search_pb2.Modality.Value(f"MODALITY_{target_modality.upper()}") if target_modality else 0
         return search_pb2.SearchRequest(task=task, k=k, target_modality=modality, model_version=model_version,
-                                        language=language, **query)
+                                        language=language, filters=cls._filters(filters or {}),
+                                        score_threshold=score_threshold, page_token=page_token, **query)
+
+    @staticmethod
+    def _filters(filters: dict) -> list:
+        """{field: value, field: [v1, v2], field: {"gte": x, "lte": y}} as FieldFilters: equal to a value, to any of
+        several, or within a range; all must hold."""
+        out = []
+        for field, condition in filters.items():
+            if isinstance(condition, dict):
+                out.append(search_pb2.FieldFilter(field=field, range=search_pb2.Range(**condition)))
+            else:
+                any_of = ListValue()
+                any_of.extend(list(condition) if isinstance(condition, (list, tuple)) else [condition])
+                out.append(search_pb2.FieldFilter(field=field, any_of=any_of))
+        return out
+
+    @classmethod
+    def _items_request(cls, catalogue: str, items: Sequence[dict]):
+        """Items as dicts: item_id, and image (a path or bytes), image_uri, text, metadata as they apply."""
+        out = []
+        for item in items:
+            unknown = set(item) - {"item_id", "image", "image_uri", "text", "metadata"}
+            if unknown:
+                raise ValueError(f"item {item.get('item_id')!r}: unknown keys {sorted(unknown)} (an item has item_id, "
+                                 "image, image_uri, text, metadata)")
+            metadata = Struct()
+            metadata.update(item.get("metadata") or {})
+            image = item.get("image")
+            out.append(search_pb2.Item(item_id=item.get("item_id", ""), image=cls._images([image])[0] if image else b"",
+                                       image_uri=item.get("image_uri", ""), text=item.get("text", ""),
+                                       metadata=metadata))
+        return search_pb2.AddItemsRequest(catalogue=catalogue, items=out)
+
+    @staticmethod
+    def _added(responses: list) -> dict:
+        return {"added": sum(r.added for r in responses), "replaced": sum(r.replaced for r in responses),
+                "model_version": responses[-1].model_version, "index_generation": responses[-1].index_generation}
+
+    @staticmethod
+    def _deleted(responses: list) -> dict:
+        return {"deleted": sum(r.deleted for r in responses), "not_found": [i for r in responses for i in r.not_found]}
 
     @staticmethod
     def _hits(response) -> list[dict]:
@@ -202,7 +245,7 @@ class _Calls:
                  "modality": search_pb2.Modality.Name(h.modality).removeprefix("MODALITY_").lower(),
                  "model_version": h.model_version, "index_generation": h.index_generation,
                  "caption": h.caption or None, "image_uri": h.image_uri or None,
-                 "query_model_version": response.query_model_version}
+                 "metadata": MessageToDict(h.metadata), "query_model_version": response.query_model_version}
                 for h in response.hits]
 
     @staticmethod
@@ -257,12 +300,42 @@ class Client(_Calls):
             self.encoder.EncodeImage, self._image_request(chunk, model_version)))
 
     def search(self, text: Optional[str] = None, image: Optional[str | Path | bytes] = None,
-               vector: Optional[Iterable[float]] = None, *, task: str = "", k: int = 10, target_modality: str = "",
-               model_version: str = "", language: str = "") -> list[dict]:
+               vector: Optional[Iterable[float]] = None, **options) -> list[dict]:
         """Hits best first, as dicts: item_id, task, score, modality, model_version, index_generation, caption,
-        image_uri."""
-        request = self._search_request(text, image, vector, task, k, target_modality, model_version, language)
-        return self._hits(self._call(self.searcher.Search, request))
+        image_uri, metadata. Options: task, k, target_modality, model_version, language, filters ({field: value,
+        field: [any, of], field: {"gte": x, "lte": y}} on declared fields), score_threshold."""
+        return self._hits(self._call(self.searcher.Search, self._search_request(text, image, vector, **options)))
+
+    def search_pages(self, text: Optional[str] = None, image: Optional[str | Path | bytes] = None,
+                     vector: Optional[Iterable[float]] = None, **options) -> Iterator[list[dict]]:
+        """The same search page after page (k hits each), for as long as the caller reads and the server has more."""
+        token = ""
+        while True:
+            response = self._call(self.searcher.Search, self._search_request(text, image, vector, page_token=token,
+                                                                             **options))
+            yield self._hits(response)
+            token = response.next_page_token
+            if not token:
+                return
+
+    def search_batch(self, queries: Sequence[dict], **options) -> list[list[dict]]:
+        """Several searches in one call: each query a dict of `search`'s arguments (text/image/vector and its own
+        options), `options` the ones they share."""
+        requests = [self._search_request(**{**options, **query}) for query in queries]
+        response = self._call(self.searcher.BatchSearch, search_pb2.BatchSearchRequest(requests=requests))
+        return [self._hits(r) for r in response.responses]
+
+    def add_items(self, catalogue: str, items: Sequence[dict], batch_size: int = 64) -> dict:
+        """Add items to a catalogue or replace them (by item_id): each a dict of item_id, and image (a path or
+        bytes), image_uri, text, metadata as it has them. Sent `batch_size` at a time; returns added, replaced,
+        model_version, index_generation."""
+        return self._added([self._call(self.searcher.AddItems, self._items_request(catalogue, chunk))
+                            for chunk in _chunks(list(items), batch_size, 1 << 62)])
+
+    def delete_items(self, catalogue: str, item_ids: Sequence[str], batch_size: int = 256) -> dict:
+        """Delete items by id; returns deleted, and the ids not_found."""
+        return self._deleted([self._call(self.searcher.DeleteItems, search_pb2.DeleteItemsRequest(
+            catalogue=catalogue, item_ids=chunk)) for chunk in _chunks(list(item_ids), batch_size, 1 << 62)])
 
     def status(self) -> dict:
         """What the server holds: production and query versions, indexed tasks, loaded versions, problems."""
@@ -331,10 +404,22 @@ class AsyncClient(_Calls):
             self.encoder.EncodeImage, self._image_request(chunk, model_version)))
 
     async def search(self, text: Optional[str] = None, image: Optional[str | Path | bytes] = None,
-                     vector: Optional[Iterable[float]] = None, *, task: str = "", k: int = 10,
-                     target_modality: str = "", model_version: str = "", language: str = "") -> list[dict]:
-        request = self._search_request(text, image, vector, task, k, target_modality, model_version, language)
-        return self._hits(await self._call(self.searcher.Search, request))
+                     vector: Optional[Iterable[float]] = None, **options) -> list[dict]:
+        return self._hits(await self._call(self.searcher.Search, self._search_request(text, image, vector, **options)))
+
+    async def search_batch(self, queries: Sequence[dict], **options) -> list[list[dict]]:
+        requests = [self._search_request(**{**options, **query}) for query in queries]
+        response = await self._call(self.searcher.BatchSearch, search_pb2.BatchSearchRequest(requests=requests))
+        return [self._hits(r) for r in response.responses]
+
+    async def add_items(self, catalogue: str, items: Sequence[dict], batch_size: int = 64) -> dict:
+        # one chunk after another: a catalogue's writes take the stream's lock in turn anyway
+        return self._added([await self._call(self.searcher.AddItems, self._items_request(catalogue, chunk))
+                            for chunk in _chunks(list(items), batch_size, 1 << 62)])
+
+    async def delete_items(self, catalogue: str, item_ids: Sequence[str], batch_size: int = 256) -> dict:
+        return self._deleted([await self._call(self.searcher.DeleteItems, search_pb2.DeleteItemsRequest(
+            catalogue=catalogue, item_ids=chunk)) for chunk in _chunks(list(item_ids), batch_size, 1 << 62)])
 
     async def status(self) -> dict:
         return self._status(await self._call(self.admin.GetStatus, admin_pb2.GetStatusRequest()))

@@ -147,6 +147,20 @@ class Encoder:
     async def Search(self, request: search_pb2.SearchRequest, grpc_context=None) -> search_pb2.SearchResponse:
         return await self._answer(lambda: self.search.search.remote(request), search_pb2.SearchResponse, grpc_context)
 
+    async def BatchSearch(self, request: search_pb2.BatchSearchRequest, grpc_context=None
+                          ) -> search_pb2.BatchSearchResponse:
+        return await self._answer(lambda: self.search.batch_search.remote(request), search_pb2.BatchSearchResponse,
+                                  grpc_context)
+
+    async def AddItems(self, request: search_pb2.AddItemsRequest, grpc_context=None) -> search_pb2.AddItemsResponse:
+        return await self._answer(lambda: self.search.add_items.remote(request), search_pb2.AddItemsResponse,
+                                  grpc_context)
+
+    async def DeleteItems(self, request: search_pb2.DeleteItemsRequest, grpc_context=None
+                          ) -> search_pb2.DeleteItemsResponse:
+        return await self._answer(lambda: self.search.delete_items.remote(request), search_pb2.DeleteItemsResponse,
+                                  grpc_context)
+
     async def GetStatus(self, request: admin_pb2.GetStatusRequest, grpc_context=None) -> admin_pb2.GetStatusResponse:
         return await self._answer(lambda: self.search.status.remote(), admin_pb2.GetStatusResponse, grpc_context)
 

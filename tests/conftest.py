@@ -309,9 +309,11 @@ def served(ray_cluster, tmp_path_factory):
     from clipstream.v1 import encoder_pb2_grpc
 
     # no CPU reserved: the session's 2-CPU Ray cluster must still fit the training tests that follow
-    settings = Settings(home=tmp_path_factory.mktemp("serve") / "home", grpc_port=free_port(), serve_max_items=8,
+    home = tmp_path_factory.mktemp("serve")
+    settings = Settings(home=home / "home", grpc_port=free_port(), serve_max_items=8,
                         serve_max_text_chars=100, serve_max_image_bytes=200_000, serve_batch_size=16,
-                        serve_encoder_cpus=0, serve_search_cpus=0).ensure_dirs()
+                        serve_encoder_cpus=0, serve_search_cpus=0, image_roots=[str(home / "images")],
+                        index_fields={"brand": "keyword", "price": "float", "stock": "integer"}).ensure_dirs()
     v1 = register_version(settings, seed=1, alias="production")
     v2 = register_version(settings, seed=2)
     app.start(settings)

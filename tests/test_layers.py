@@ -18,7 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"clipstream": "clipstream", "training": "clipstream.training", "services": "clipstream.services",
            "benchmarks": "clipstream.benchmarks"}  # repository folder -> installed package (pyproject package-dir)
-GROUND = {"clipstream", "clipstream.console", "clipstream.settings", "clipstream.registry", "clipstream.index", "clipstream.models",
+GROUND = {"clipstream", "clipstream.console", "clipstream.settings", "clipstream.registry", "clipstream.index",
+          "clipstream.catalogue", "clipstream.roots", "clipstream.models",
           "clipstream.mlflow_model", "clipstream.runtime", "clipstream.v1"}
 TOP = {"clipstream.cli", "clipstream.indexing", "clipstream.promotion", "clipstream.benchmarks", "clipstream.k8s",
        "clipstream.controller", "clipstream.local_cluster"}

@@ -223,3 +223,53 @@ def test_errors_carry_google_rpc_details_that_the_client_reads(served, indexed, 
         assert err.value.metadata == metadata
     else:
         assert set(err.value.metadata) == {"limit"}
+
+
+def test_both_clients_manage_a_catalogue_and_search_it_with_filters_pages_and_batches(served, indexed, tmp_path):
+    """add_items (chunked: 11 items go as 2 requests of the test app's most, 8), search with filters and a
+    threshold, search_pages, search_batch, delete_items: the blocking and the async client alike."""
+    import asyncio
+
+    from clipstream.services.client import AsyncClient, InvalidArgument
+    from tests.services.conftest import png
+
+    address = f"grpc://127.0.0.1:{served[0].grpc_port}"
+    colours = ["red", "green", "blue", "white", "black", "gray", "pink", "cyan", "teal", "gold", "olive"]
+    (tmp_path / "red.png").write_bytes(png("red"))
+    items = [{"item_id": f"cap-{k}", "image": tmp_path / "red.png" if k == 0 else png(c), "text": f"a {c} cap",
+              "metadata": {"brand": "acme" if k % 2 else "zed", "stock": k}} for k, c in enumerate(colours)]
+    with Client(address) as client:
+        try:
+            assert client.add_items("caps", items, batch_size=8) == {"added": 11, "replaced": 0, "model_version": "1",
+                                                                     "index_generation": 1}
+            hits = client.search(text="a red cap", task="caps", k=3, filters={"brand": "acme", "stock": {"lte": 5}})
+            assert {h["item_id"] for h in hits} <= {"cap-1", "cap-3", "cap-5"} and len(hits) == 3
+            assert all(h["metadata"]["brand"] == "acme" for h in hits)
+            pages = list(client.search_pages(text="a cap", task="caps", k=4))
+            assert [len(p) for p in pages] == [4, 4, 3]
+            ranking = [h["item_id"] for h in client.search(text="a cap", task="caps", k=11)]
+            assert [h["item_id"] for p in pages for h in p] == ranking
+            assert len(client.search(text="a cap", task="caps", k=11, score_threshold=1.0)) == 0
+            batch = client.search_batch([{"text": "a red cap"}, {"image": png("blue"), "k": 2}], task="caps", k=3)
+            assert [len(b) for b in batch] == [3, 2] and batch[0] == client.search(text="a red cap", task="caps", k=3)
+            with pytest.raises(InvalidArgument) as bad:
+                client.search(text="a cap", filters={"colour": "red"})
+            assert bad.value.reason == "FILTER_INVALID" and "declared fields: brand, price, stock" in str(bad.value)
+            with pytest.raises(ValueError, match="unknown keys"):
+                client.add_items("caps", [{"item_id": "x", "caption": "a cap"}])
+
+            async def calls():
+                async with AsyncClient(address) as aclient:
+                    again = await aclient.add_items("caps", items[:2])
+                    found = await aclient.search(text="a red cap", task="caps", k=3,
+                                                 filters={"brand": "acme", "stock": {"lte": 5}})
+                    both = await aclient.search_batch([{"text": "a red cap"}], task="caps", k=3)
+                    return again, found, both, await aclient.delete_items("caps", ["cap-0", "cap-99"])
+
+            again, found, both, deleted = asyncio.run(calls())
+            assert (again["added"], again["replaced"]) == (0, 2)
+            assert [h["item_id"] for h in found] == [h["item_id"] for h in hits]
+            assert [h["item_id"] for h in both[0]] == [h["item_id"] for h in batch[0]]
+            assert deleted == {"deleted": 1, "not_found": ["cap-99"]}
+        finally:
+            client.delete_items("caps", [i["item_id"] for i in items], batch_size=8)

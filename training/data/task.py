@@ -32,7 +32,6 @@ import codecs
 import csv
 import difflib
 import errno
-import functools
 import glob
 import hashlib
 import io
@@ -49,6 +48,8 @@ from typing import Iterator, Literal, Optional
 import yaml
 from braceexpand import braceexpand
 from PIL import Image
+
+from clipstream.roots import location, under_allowed_root
 
 BadImagePolicy = Literal["fail", "skip"]
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
@@ -74,15 +75,6 @@ class DataError(ValueError):
 
 class UnsafePath(DataError):
     """A path in a task that leads out of its directory: an error under any `on_bad_image` policy."""
-
-
-def location(path: str | Path):
-    """A local path (absolute), or a `UPath` for a URI: the same path API over fsspec's filesystems."""
-    if "://" in str(path):
-        from upath import UPath
-
-        return UPath(str(path))
-    return Path(path).absolute()
 
 
 @dataclass(frozen=True)
@@ -354,7 +346,7 @@ def _inside(root: str | Path, rel: str, what: str, folders: Optional[dict] = Non
     base = root if isinstance(root, Path) and root.is_absolute() else location(root)
     if CONTROL_CHARS.search(rel):
         raise DataError(f"{what} path {rel!r} contains a control character; rename the file")
-    outside = _under_allowed_root(rel) if what == "image" else None
+    outside = under_allowed_root(rel) if what == "image" else None
     if outside is not None:
         return outside
     local = _local(base)
@@ -399,37 +391,6 @@ def _resolves_inside(local: str, rel: str, folders: dict) -> bool:
         resolved = os.path.join(folder(parent), name)
     top = folder(local)
     return resolved == top or resolved.startswith(top.rstrip("/") + "/")
-
-
-def image_roots() -> tuple[str, ...]:
-    """Where outside a task its rows may name images (Settings image_roots): none unless the user allows some."""
-    return _image_roots(os.environ.get("CLIPSTREAM_IMAGE_ROOTS"), os.environ.get("CLIPSTREAM_CONFIG"))
-
-
-@functools.lru_cache(maxsize=8)
-def _image_roots(variable: Optional[str], config: Optional[str]) -> tuple[str, ...]:  # (keyed by what Settings reads)
-    from clipstream.settings import Settings
-
-    return tuple(Settings().image_roots)
-
-
-def _under_allowed_root(rel: str):
-    """The image at absolute path or URI `rel` when it lies under an allowed root (a local path: after resolving
-    its symlinks, so a link inside a root that points out of it is still out), else None."""
-    if not ("://" in rel or rel.startswith("/")):
-        return None
-    for root in image_roots():
-        if "://" in root or "://" in rel:
-            prefix = root.rstrip("/") + "/"
-            if rel.startswith(prefix) and ".." not in PurePosixPath(rel[len(prefix):]).parts:
-                return location(rel)
-        else:
-            try:
-                if Path(rel).resolve().is_relative_to(Path(root).resolve()):
-                    return Path(rel)
-            except (OSError, RuntimeError):
-                return None
-    return None
 
 
 def _local(base) -> Optional[Path]:
