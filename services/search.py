@@ -368,7 +368,8 @@ class Search:
             consistent=not problems, problems=problems, tasks=[
                 admin_pb2.IndexedTask(task=name, task_index=t["task_index"], model_version=t["model_version"],
                                       images=t["counts"]["image"], texts=t["counts"]["text"],
-                                      indexed_at=timestamp(datetime.fromisoformat(t["indexed_at"])))
+                                      indexed_at=timestamp(datetime.fromisoformat(t["indexed_at"])),
+                                      catalogue=t.get("kind") == CATALOGUE)
                 for name, t in sorted(state["tasks"].items(), key=lambda kv: kv[1]["task_index"])])
 
     async def versions(self, request: admin_pb2.ListVersionsRequest) -> admin_pb2.ListVersionsResponse:

@@ -286,3 +286,70 @@ def test_a_gallery_of_several_blocks_is_embedded_by_a_pool_of_actors_in_the_spli
     assert np.allclose(by_ray.image, here.image, atol=1e-5) and np.allclose(by_ray.text, here.text, atol=1e-5)
     # the job turns Ray Data's per-operator CPU reservation off for itself only: other datasets keep the default
     assert ray_cluster.data.DataContext.get_current().op_resource_reservation_enabled
+
+
+def test_promotion_keeps_catalogues_under_no_reindex_and_embeds_them_again_under_reindex(tmp_path):
+    """Items users added (a catalogue) are no task of a lineage: putting a version's gallery in place keeps them as
+    their version embedded them under no-reindex, and embeds them again from their stored items (images, texts,
+    fields, URIs) under reindex, in the same atomic generation as the trained tasks."""
+    from clipstream import catalogue
+    from clipstream.indexing import put_lineage
+    from clipstream.settings import Settings
+    from clipstream.training.data.synth import synthesize
+    from tests.conftest import register_version
+    from tests.services.conftest import png
+
+    dirs = synthesize(tmp_path / "tasks", tasks=2, seed=3, train_pairs=100, test_per_task=6, digits=False,
+                      held_out=False, progress=False)
+    settings = Settings(home=tmp_path / "home", index_fields={"brand": "keyword"}).ensure_dirs()
+    for k in range(2):
+        register_version(settings, seed=k + 1, task_dirs=dirs[:k + 1], parent=str(k) if k else "")
+    registry = Registry(settings)
+    v1, v2 = registry.resolve("1"), registry.resolve("2")
+    put_lineage(settings, v1)
+    store = catalogue.Catalogue.of(settings, "mugs")
+    items = [catalogue.Item("m-0", text="a red mug", metadata={"brand": "acme"}),
+             catalogue.Item("m-1", image=store.put_image(png("navy")), image_uri="https://shop/m-1.png"),
+             catalogue.Item("m-2", text="a green mug", image=store.put_image(png("green")))]
+    for it in items:
+        it.image_uri = it.image_uri or (str(store.image_path(it)) if it.image else "")
+    bundles = {v: models.load_exported(registry.resolve(v).folder) for v in ("1", "2")}
+
+    def embedded(version):
+        bundle = bundles[version]
+        return catalogue.vectors("mugs", version, items, bundle.embed_images([store.image_path(i) for i in items
+                                                                                if i.image]),
+                                 bundle.embed_texts([i.text for i in items if i.text]))
+
+    with open_index(settings) as index:
+        index.upsert(embedded("1"))
+    store.write({i.item_id: i for i in items})
+    with open_index(settings) as index:
+        kept = {m: index.points("mugs", m) for m in ("image", "text")}
+
+    put_lineage(settings, v2)  # no-reindex: the new task appended, the catalogue as version 1 made it
+    with open_index(settings) as index:
+        state = index.state()
+        assert state["tasks"]["mugs"]["model_version"] == "1" and state["query_version"] == "2"
+        assert {m: index.points("mugs", m) for m in ("image", "text")} == kept
+
+    reindex = settings.model_copy(update={"index_policy": "reindex"})
+    put_lineage(reindex, v2)
+    expected = embedded("2")
+    with open_index(settings) as index:
+        state = index.state()
+        assert {t: m["model_version"] for t, m in state["tasks"].items()} == {
+            dirs[0].name: "2", dirs[1].name: "2", "mugs": "2"} and state["generation"] == 2
+        assert state["tasks"]["mugs"]["kind"] == "catalogue"
+        for modality, rows in (("image", expected.image), ("text", expected.text)):
+            points = index.points("mugs", modality)
+            ids = expected.ids(modality)
+            assert sorted(points) == sorted(ids)
+            stored = np.stack([np.frombuffer(points[i][0], np.float32) for i in ids])
+            np.testing.assert_allclose(stored, rows / np.linalg.norm(rows, axis=1, keepdims=True), atol=1e-5)
+        assert index.points("mugs", "image")["m-1"][1]["image_uri"] == "https://shop/m-1.png"
+        assert index.points("mugs", "text")["m-0"][1]["meta"] == {"brand": "acme"}
+    # a rollback to version 1 under reindex carries the catalogue back too
+    put_lineage(reindex, v1)
+    with open_index(settings) as index:
+        assert {t: m["model_version"] for t, m in index.state()["tasks"].items()} == {dirs[0].name: "1", "mugs": "1"}

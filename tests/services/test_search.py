@@ -108,6 +108,12 @@ def test_catalogue_items_are_added_searched_filtered_paged_and_deleted_over_grpc
         assert (added.added, added.replaced, added.model_version) == (6, 0, v1)
         with open_index(settings) as index:
             assert index.state()["tasks"]["mugs"]["counts"] == {"image": 5, "text": 5}
+        from clipstream.v1 import admin_pb2, admin_pb2_grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{settings.grpc_port}") as channel:
+            status = admin_pb2_grpc.AdminServiceStub(channel).GetStatus(admin_pb2.GetStatusRequest())
+        assert {t.task: (t.catalogue, t.images) for t in status.tasks} == {
+            "squares": (False, 6), "discs": (False, 6), "mugs": (True, 5)} and status.consistent
         # an image hit names a file a user can open: the stored copy, or the URI the item was given
         hits = stub.Search(search_pb2.SearchRequest(text="a red mug", task="mugs", k=5)).hits
         assert {h.item_id for h in hits} == {"mug-0", "mug-1", "mug-2", "mug-3", "mug-5"}
