@@ -73,7 +73,12 @@ EXAMPLES = {
     "search": """examples (with `clipstream serve` running):
   clipstream search "a photo of a cup"
   clipstream search "a wooden chair" --task task-01-furnishing -k 10
-  clipstream search --image photo.png --model-version 2""",
+  clipstream search --image photo.png --model-version 2
+  clipstream search "a red mug" --task mugs --filter brand=acme,zed --filter 'price<=30' --score-threshold 0.2""",
+    "items": """examples (with `clipstream serve` running; fields declared in CLIPSTREAM_INDEX_FIELDS):
+  clipstream items add mugs mugs.jsonl      # lines like {"item_id": "m-1", "image": "img/m-1.png", "text": "a red mug",
+                                            #             "metadata": {"brand": "acme", "price": 12.5}}
+  clipstream items delete mugs m-1 m-2""",
     "export": """examples:
   clipstream export --version production --out my-model
   python -c 'import open_clip; open_clip.create_model_and_transforms("local-dir:my-model")'""",
@@ -261,9 +266,28 @@ def parser() -> argparse.ArgumentParser:
     se.add_argument("-k", type=int, default=5, help="hits to return")
     se.add_argument("--model-version", default="", help="a version number or alias whose vectors are searched (default: production)")
     se.add_argument("--language", default="", help="the text's language (a task's lang): refused by a version not trained on it")
+    se.add_argument("--filter", action="append", default=[], metavar="FIELD=V1,V2|FIELD>=X|FIELD<=X",
+                    help="only items whose declared field is any of the values, or within the bound (repeatable: all "
+                         "must hold; a value is read as JSON, so quote a number to make it a string: brand='\"42\"')")
+    se.add_argument("--score-threshold", type=float, metavar="COSINE", help="only hits scoring at least this")
     client_args(se)
     json_arg(se)
     se.set_defaults(func=serving._search)
+    items = sub.add_parser("items", help="add or delete the items of a catalogue (your own gallery) through the "
+                           "running service")
+    items_sub = items.add_subparsers(dest="items_command", required=True)
+    add = items_sub.add_parser("add", help="add items, or replace those with the same item_id")
+    add.add_argument("catalogue", help="the catalogue's name (made by its first item): a-z 0-9 . _ -")
+    add.add_argument("file", help="JSON lines, one item each: item_id, and image (a path, relative to the file), "
+                     "image_uri (where hits say the image is), text, metadata (declared fields) as it has them")
+    add.add_argument("--batch-size", type=int, default=64, help="items per request")
+    delete = items_sub.add_parser("delete", help="delete items by id (ids the catalogue lacks are reported)")
+    delete.add_argument("catalogue")
+    delete.add_argument("item_ids", nargs="+", metavar="ITEM_ID")
+    for q, func in ((add, serving._items_add), (delete, serving._items_delete)):
+        client_args(q)
+        json_arg(q)
+        q.set_defaults(func=func)
     kube = sub.add_parser("k8s", help="print RayJob manifests for `kubectl apply -f -` (see k8s/README.md)")
     kube_sub = kube.add_subparsers(dest="k8s_command", required=True)
     kjob = kube_sub.add_parser("job", help="one training task as a RayJob")

@@ -1,8 +1,12 @@
-"""`clipstream serve` and the commands that ask the running service: `status`, `health`, `encode`, `search`."""
+"""`clipstream serve` and the commands that ask the running service: `status`, `health`, `encode`, `search`,
+`items`."""
 
 from __future__ import annotations
 
+import json
+import re
 import time
+from pathlib import Path
 
 from clipstream.cli.render import format_hits, format_table, print_json
 from clipstream.settings import Settings
@@ -89,9 +93,91 @@ def _encode(args) -> None:
 
 
 def _search(args) -> None:
+    where = parse_filters(args.filter)
     with _client(args) as client:
         hits = client.search(text=args.query if not args.image else None, image=args.image, task=args.task or "",
-                             k=args.k, model_version=args.model_version, language=args.language)
+                             k=args.k, model_version=args.model_version, language=args.language, filters=where,
+                             score_threshold=args.score_threshold)
     if args.json:
         return print_json({"query": args.query if not args.image else args.image, "task": args.task, "hits": hits})
     print(format_hits(hits, args.query if not args.image else args.image, args.task))
+
+
+def _items_add(args) -> None:
+    items = read_items(args.file)
+    with _client(args) as client:
+        result = client.add_items(args.catalogue, items, batch_size=args.batch_size)
+    if args.json:
+        return print_json({"catalogue": args.catalogue, **result})
+    print(f"catalogue {args.catalogue}: {result['added']} added, {result['replaced']} replaced (embedded by version "
+          f"{result['model_version']}, index generation {result['index_generation']})")
+
+
+def _items_delete(args) -> None:
+    with _client(args) as client:
+        result = client.delete_items(args.catalogue, args.item_ids)
+    if args.json:
+        return print_json({"catalogue": args.catalogue, **result})
+    print(f"catalogue {args.catalogue}: {result['deleted']} deleted"
+          + (f"; not in it: {', '.join(result['not_found'])}" if result["not_found"] else ""))
+
+
+def parse_filters(texts: list[str]) -> dict:
+    """`--filter` options as the client's filters: FIELD=V1,V2 (any of; each value read as JSON, else a string),
+    FIELD>=X and FIELD<=X (a range, the two bounds of one field combined)."""
+    where: dict = {}
+    for text in texts:
+        found = re.fullmatch(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(>=|<=|=)\s*(.*?)\s*", text)
+        if not found or not found.group(3):
+            raise ValueError(f"--filter {text!r}: write FIELD=V1,V2 (any of), FIELD>=X or FIELD<=X")
+        field, op, value = found.groups()
+        if op == "=":
+            if field in where:
+                raise ValueError(f"--filter {text!r}: {field} is filtered twice; put every value in one FIELD=V1,V2")
+            where[field] = [_json_or_text(v) for v in value.split(",")]
+            continue
+        bounds = where.setdefault(field, {})
+        if not isinstance(bounds, dict):
+            raise ValueError(f"--filter {text!r}: {field} already has values (=); a field takes values or a range")
+        try:
+            bounds["gte" if op == ">=" else "lte"] = float(value)
+        except ValueError:
+            raise ValueError(f"--filter {text!r}: a bound must be a number, got {value!r}") from None
+    return where
+
+
+def _json_or_text(text: str):
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, (str, int, float)) and not isinstance(value, bool) else text
+
+
+def read_items(path: str) -> list[dict]:
+    """A JSON-lines file of items (item_id, image, image_uri, text, metadata), an image path relative to the file
+    made absolute; a bad line is a ValueError naming it."""
+    file = Path(path)
+    items = []
+    for number, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"{path}:{number}: not JSON ({exc})") from None
+        if not isinstance(item, dict):
+            raise ValueError(f"{path}:{number}: an item is a JSON object, got {type(item).__name__}")
+        unknown = set(item) - {"item_id", "image", "image_uri", "text", "metadata"}
+        if unknown:
+            raise ValueError(f"{path}:{number}: unknown keys {sorted(unknown)} (an item has item_id, image, image_uri, "
+                             "text, metadata)")
+        if item.get("image"):
+            image = file.parent / str(item["image"])
+            if not image.is_file():
+                raise ValueError(f"{path}:{number}: image {item['image']!r} is not a file ({image})")
+            item["image"] = image
+        items.append(item)
+    if not items:
+        raise ValueError(f"{path}: no items")
+    return items

@@ -273,3 +273,40 @@ def test_both_clients_manage_a_catalogue_and_search_it_with_filters_pages_and_ba
             assert deleted == {"deleted": 1, "not_found": ["cap-99"]}
         finally:
             client.delete_items("caps", [i["item_id"] for i in items], batch_size=8)
+
+
+def test_cli_items_add_search_with_filters_and_delete(served, indexed, capsys, tmp_path):
+    """`clipstream items add` from a JSON-lines file (images relative to it), `search --filter/--score-threshold`,
+    `items delete`; a bad file or filter is one line and exit 2, and nothing is added."""
+    from clipstream.cli import main
+    from tests.services.conftest import png
+
+    address = f"127.0.0.1:{served[0].grpc_port}"
+    (tmp_path / "img").mkdir()
+    lines = []
+    for k, colour in enumerate(["red", "green", "blue"]):
+        (tmp_path / "img" / f"{colour}.png").write_bytes(png(colour))
+        lines.append(json.dumps({"item_id": f"hat-{k}", "image": f"img/{colour}.png", "text": f"a {colour} hat",
+                                 "metadata": {"brand": "acme" if k else "zed", "price": 10.0 * k}}))
+    (tmp_path / "hats.jsonl").write_text("\n".join(lines) + "\n")
+    try:
+        assert main(["items", "add", "hats", str(tmp_path / "hats.jsonl"), "--address", address]) == 0
+        assert "catalogue hats: 3 added, 0 replaced (embedded by version 1" in capsys.readouterr().out
+        assert main(["search", "a hat", "--task", "hats", "--filter", "brand=acme", "--filter", "price>=5",
+                     "--filter", "price<=15", "--address", address, "--json"]) == 0
+        assert [h["item_id"] for h in json.loads(capsys.readouterr().out)["hits"]] == ["hat-1"]
+        assert main(["search", "a hat", "--task", "hats", "--score-threshold", "1", "--address", address,
+                     "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["hits"] == []
+        for bad, words in ((["--filter", "brand"], "write FIELD=V1,V2"), (["--filter", "price>=cheap"], "a number"),
+                           (["--filter", "colour=red"], "INVALID_ARGUMENT: filter: field 'colour' is not declared")):
+            assert main(["search", "a hat", "--address", address, *bad]) == 2
+            err = capsys.readouterr().err
+            assert words in err and len(err.strip().splitlines()) == 1
+        (tmp_path / "bad.jsonl").write_text(lines[0] + "\n" + '{"item_id": "x", "caption": "a hat"}\n')
+        assert main(["items", "add", "hats", str(tmp_path / "bad.jsonl"), "--address", address]) == 2
+        assert "bad.jsonl:2: unknown keys ['caption']" in capsys.readouterr().err
+        assert main(["items", "delete", "hats", "hat-0", "hat-7", "--address", address, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == {"catalogue": "hats", "deleted": 1, "not_found": ["hat-7"]}
+    finally:
+        main(["items", "delete", "hats", "hat-0", "hat-1", "hat-2", "--address", address])
