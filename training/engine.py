@@ -199,6 +199,7 @@ def train_loop(config: dict) -> None:
     logger = _MetricLogger(config.get("tracking"), rank)
     logger.tag("ray.worker_nodes", ",".join(_gather_strings(ray.get_runtime_context().get_node_id())))
     shard = ray.train.get_dataset_shard("train")
+    first_at = 0.0  # when this job's first step ended (wall clock)
     for epoch in range(start_epoch, train["epochs"]):
         engine.train()
         batches = shard.iter_torch_batches(batch_size=train["micro_batch"], drop_last=True, device=engine.device, prefetch_batches=4,
@@ -215,7 +216,7 @@ def train_loop(config: dict) -> None:
             start = time.perf_counter()
             loss, terms = train_step(engine, method, task_ctx, batch)
             took = time.perf_counter() - start  # the step alone: what a method adds, without the input wait
-            busy, first = busy + took, first or took
+            busy, first, first_at = busy + took, first or took, first_at or time.time()
             kept.append(batch)
             task_ctx.step, steps, seen = task_ctx.step + 1, steps + 1, seen + batch["image"].shape[0]
             if task_ctx.step % train["log_every"] == 0:
@@ -235,7 +236,7 @@ def train_loop(config: dict) -> None:
                        "samples_per_s": rate, "step_ms": 1000 * busy / max(steps, 1),
                        # a job's first step also creates AdamW's state and the allocator's pools: a fixed cost per
                        # job that a mean over few steps carries (stream-growth takes it out of the time in steps)
-                       "first_step_ms": 1000 * first})
+                       "first_step_ms": 1000 * first, "first_step_at": first_at})
 
 
 def _report_epoch(engine, method, bundle, frozen_fp32: dict, epoch: int, step: int, rank: int, metrics: dict) -> None:

@@ -92,6 +92,7 @@ class Plan:
     run_key: str = ""  # what this job trains, hashed: a rerun of the same job has the same (see `resume.run_key`)
     ray_name: str = ""  # the Ray Train run (its folder under runs_dir): the stream, run_name and run_key
     resume_after: Optional[int] = None  # the epoch of the checkpoint the Ray Train run resumes from (None: from the start)
+    started_at: float = 0.0  # when the job was asked (time.time()): its time before the first step is measured from it
 
     @property
     def history(self) -> list[dict]:
@@ -107,7 +108,8 @@ class Plan:
 
     @property
     def steps_per_epoch(self) -> int:
-        return self.rows // self.workers // self.config["train"]["micro_batch"]
+        full = self.rows // self.workers // self.config["train"]["micro_batch"]
+        return min(full, self.config["train"]["max_steps"]) if self.config["train"]["max_steps"] else full
 
     @property
     def model_source(self) -> Optional[str]:
@@ -176,7 +178,7 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
     The same job run again (its driver killed, its workers out of restarts) resumes the Ray Train run from its last
     epoch checkpoint and marks the MLflow run it left RUNNING as KILLED; a task that already registered a version
     from the same parent, method and data is refused (`AlreadyRegistered`) unless `retrain`."""
-    tic = time.perf_counter()
+    tic, started_at = time.perf_counter(), time.time()
     check_aliases(aliases)
     methods.resolve(method, overrides)  # a bad preset or --set fails here, before anything is written
     settings = (settings or Settings()).ensure_dirs()
@@ -184,7 +186,7 @@ def run_task(task_dir: str | Path, method: str = "finetune", parent: Optional[st
     registry = Registry(settings)
     plan = prepare(registry, task_dir, method, parent, workers, overrides, wait_parent_s, zero_shot, retrain,
                    gpus_per_worker=gpus_per_worker)
-    plan.aliases = tuple(aliases)
+    plan.aliases, plan.started_at = tuple(aliases), started_at
     storage = settings.runs_path / plan.ray_name
     try:
         interrupted = resume.end_interrupted_runs(registry, plan.run_key, plan.task.name)
@@ -415,6 +417,9 @@ def fit(plan: Plan, settings: Settings, run: RunLog) -> Path:
         shared.remove(inputs)
     kept = ("samples_per_s", "step_ms", "first_step_ms", "start_epoch", "step")  # logged as train/<name>
     metrics = {k: v for k, v in result.metrics.items() if k in kept}
+    if result.metrics.get("first_step_at") and plan.started_at:  # (wall clocks: the driver's and rank 0's)
+        # what a user waits before the model learns: the data check and hash, Ray, the workers, the first batch
+        metrics["seconds_to_first_step"] = result.metrics["first_step_at"] - plan.started_at
     if plan.resume_after is not None:  # (the result's metrics are the snapshot's when no epoch was left to train)
         metrics["start_epoch"] = max(metrics.get("start_epoch", 0), plan.resume_after + 1)
     run.log_metrics({f"train/{k}": v for k, v in metrics.items()})

@@ -30,6 +30,8 @@ class ModelSection(Section):
 
 class TrainSection(Section):
     epochs: int = Field(ge=1, description="passes over the task's data")
+    max_steps: int = Field(0, ge=0, description="steps per epoch at most; 0 = the whole task (a smoke run or a "
+                           "benchmark caps it)")
     micro_batch: int = Field(ge=1, description="image-text pairs per worker per step")
     grad_accum: int = Field(ge=1, description="micro batches per optimizer step")
     lr: float = Field(gt=0, description="peak learning rate of AdamW")
