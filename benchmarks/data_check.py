@@ -38,10 +38,11 @@ from clipstream.benchmarks import report
 
 TARGET_PER_CORE = 0.8
 # what cProfile showed of clipstream's side on a local disk (a miss's reason, shown with the check)
-WHY = ("each image is read once for the check and the hash, and a path's symlink check is an lstat against the "
-       "task's folders resolved once; what is left is the rest: every row is read, parsed and validated twice (the "
-       "check, then the hash of each row as parsed), against a loop that reads and hashes. Threads do not help on a "
-       "local disk (the work holds the GIL); they serve tasks on object storage")
+WHY = ("each image and each split's rows are read once for the check and the hash, and a path's symlink check is an "
+       "lstat against the task's folders resolved once; what is left is the path checks themselves (a relative path's "
+       "'..', the symlinks of its folders and of the file), about a fifth of the work left beside PIL's and the "
+       "hash's, the rows' validation and their canonical JSON for the hash. Threads do not help on a local disk (the "
+       "work holds the GIL); they serve tasks on object storage")
 
 
 def make_task(root: Path, images: int, size: int, test: int = 1) -> Path:

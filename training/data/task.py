@@ -105,6 +105,7 @@ class Task:
     # then read each file once; and the task's folders as resolved, so a path's symlink check costs an lstat
     _images: dict = field(default_factory=dict, repr=False, compare=False)
     _folders: dict = field(default_factory=dict, repr=False, compare=False)
+    _rows: dict = field(default_factory=dict, repr=False, compare=False)  # split -> its rows as read (not shards')
 
     @classmethod
     def load(cls, path: str | Path) -> "Task":
@@ -175,7 +176,7 @@ class Task:
         if on_bad_image not in ("fail", "skip"):
             raise ValueError(f"on_bad_image must be 'fail' or 'skip', got {on_bad_image!r}")
         check, seen = Check([]), {}
-        rows = list(_read_rows(self.split(split)))
+        rows = self._split_rows(split)
         # every image opened and verified (on a pool of threads for a task on object storage: `threads`), the rows
         # then judged in order, as one loop would
         images = parallel(self._image_outcome, [row for _, row in rows], self.threads)
@@ -272,11 +273,22 @@ class Task:
         """Content hash of the manifest, every split file and every image: names the exact data a version saw."""
         digest = hashlib.sha256((self.root / "task.yaml").read_bytes())
         for split in sorted(self.splits):
-            rows = list(_read_rows(self.splits[split]))
+            rows = self._split_rows(split)
             for (where, row), image in zip(rows, parallel(self._image_digest, rows, self.threads)):  # (as `check`)
                 digest.update(json.dumps({k: v for k, v in row.items() if k != "image_bytes"}, sort_keys=True).encode())
                 digest.update(image)
         return digest.hexdigest()
+
+    def _split_rows(self, name: str) -> list[tuple[str, dict]]:
+        """A split's (where, row) pairs, read once for the Task's life as its images are (`check` and `data_sha` both
+        want them); a WebDataset split's are read again each time (its rows carry the images' bytes)."""
+        if name in self._rows:
+            return self._rows[name]
+        split = self.split(name)
+        rows = list(_read_rows(split))
+        if split.format != "webdataset":
+            self._rows[name] = rows
+        return rows
 
     def _image_digest(self, where_row: tuple[str, dict]) -> bytes:
         where, row = where_row
