@@ -1,7 +1,9 @@
 """Catalogues: items users add to the index themselves (SearchService.AddItems), beside the galleries of the tasks a
 version was trained on. The index holds their vectors (`clipstream.index`, kind `catalogue`); this store keeps the
 items as they were given (text, image bytes, metadata) so that a reindex can embed them again with a new version:
-HOME/catalogues/STREAM/NAME/items.jsonl, one item per line, and images/SHA256, each image once by its content.
+CATALOGUE_DIR/STREAM/NAME/items.jsonl, one item per line, and images/SHA256, each image once by its content
+(Settings catalogue_dir: HOME/catalogues by default, or an object-store URI every pod that serves or promotes
+reaches).
 
 The writer (AddItems, DeleteItems, a reindex) holds the stream's lock (`Registry.lock`), so a promotion never
 re-embeds a catalogue while its items change.
@@ -20,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from clipstream.index import CATALOGUE, TaskVectors
+from clipstream.roots import location
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 ITEM_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@/+-]{0,127}$")
@@ -56,13 +59,14 @@ def check_item_id(item_id: str) -> str:
 class Catalogue:
     """One catalogue's stored items."""
 
-    def __init__(self, root: Path, name: str):
-        self.name, self.root = check_name(name), Path(root) / name
+    def __init__(self, root, name: str):
+        """`root`: the stream's catalogues, a folder or a URI (fsspec's filesystems, through UPath)."""
+        self.name, self.root = check_name(name), location(str(root)) / name
         self._items = self.root / "items.jsonl"
 
     @classmethod
     def of(cls, settings, name: str) -> "Catalogue":
-        return cls(Path(settings.home) / "catalogues" / settings.stream, name)
+        return cls(f"{settings.catalogue_dir.rstrip('/')}/{settings.stream}", name)
 
     def items(self) -> dict[str, Item]:
         """item id -> item, in the order they were first added."""
@@ -75,8 +79,11 @@ class Catalogue:
                 out[item.item_id] = item
         return out
 
-    def image_path(self, item: Item) -> Path:
+    def image_path(self, item: Item):
         return self.root / "images" / item.image
+
+    def read_image(self, item: Item) -> bytes:
+        return self.image_path(item).read_bytes()
 
     def put_image(self, data: bytes) -> str:
         """Store an image's bytes once (by content); returns its content name."""
@@ -111,7 +118,12 @@ def vectors(name: str, version: str, items: list[Item], image_vectors: np.ndarra
                        text_ids=[i.item_id for i in with_text])
 
 
-def _atomic(path: Path, data: bytes) -> None:
+def _atomic(path, data: bytes) -> None:
+    """Write `path` whole or not at all: a local file through a renamed temporary one; an object store's object in
+    one put (atomic there already)."""
+    if not isinstance(path, Path):
+        path.write_bytes(data)
+        return
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)

@@ -272,7 +272,7 @@ def _recatalogue(settings: Settings, version: Version, name: str, batch_size: in
                         "(HOME moved?); point HOME at them, or delete the catalogue's items, or use --policy no-reindex")
     bundle = models.load_exported(version.folder).to(*models.placement(settings.embed_precision))
     return catalogue.vectors(name, version.version, items,
-                             bundle.embed_images([store.image_path(i) for i in items if i.image], batch_size),
+                             bundle.embed_images([store.read_image(i) for i in items if i.image], batch_size),
                              bundle.embed_texts([i.text for i in items if i.text], batch_size))
 
 

@@ -108,6 +108,10 @@ class Settings(BaseSettings):
         default_factory=dict, description="the fields catalogue items (AddItems) may carry in their metadata, each "
         "with a payload index, and the ones searches may filter on: name -> keyword, integer or float; a JSON "
         "object in CLIPSTREAM_INDEX_FIELDS, e.g. {\"brand\": \"keyword\", \"price\": \"float\"}")
+    catalogue_dir: Optional[str] = Field(None, description="where catalogues keep the items users add (AddItems), "
+                                         "which a reindex embeds again: a folder, or an object-store URI "
+                                         "(s3://bucket/catalogues) every pod that serves or promotes reaches; default "
+                                         "HOME/catalogues")
     index_compact_segments: int = Field(4, ge=0, description="when no-reindex appends leave more segments per "
                                         "modality than this, the indexing job merges them into one (a task-unknown "
                                         "search reads each: `clipstream compact`); 0: never")
@@ -137,7 +141,7 @@ class Settings(BaseSettings):
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
         return tuple(sources)
 
-    @field_validator("runs_dir", mode="before")
+    @field_validator("runs_dir", "catalogue_dir", mode="before")
     @classmethod
     def _path_or_uri(cls, value):
         return os.fspath(value) if isinstance(value, os.PathLike) else value
@@ -151,6 +155,8 @@ class Settings(BaseSettings):
         # a URI stays as written (Path() would make s3://b/runs the local folder s3:/b/runs)
         runs = self.runs_dir or str(home / "runs")
         self.runs_dir = runs if is_uri(runs) else str(Path(runs).absolute())
+        catalogues = self.catalogue_dir or str(home / "catalogues")
+        self.catalogue_dir = catalogues if is_uri(catalogues) else str(Path(catalogues).absolute())
         if self.mlflow_tracking_uri is None:
             self.mlflow_tracking_uri = f"sqlite:///{home / 'mlflow.db'}"
         if self.mlflow_artifact_root is None:

@@ -790,6 +790,22 @@ def test_a_list_setting_reaches_the_pods_as_json_that_settings_parse(monkeypatch
     assert Settings().image_roots == ["s3://bucket/images", "/data/laion"]
 
 
+def test_a_map_setting_reaches_the_pods_as_json_and_catalogues_live_on_the_runs_object_store(monkeypatch):
+    from clipstream.settings import Settings
+
+    docs = objects(helm_template("--set-json", 'settings.index_fields={"brand":"keyword","price":"float"}',
+                                 "--set", "runs.uri=s3://bucket/runs/"))
+    data = one(docs, "ConfigMap", f"{RELEASE}-settings")["data"]
+    monkeypatch.setenv("CLIPSTREAM_INDEX_FIELDS", data["CLIPSTREAM_INDEX_FIELDS"])
+    monkeypatch.setenv("CLIPSTREAM_CATALOGUE_DIR", data["CLIPSTREAM_CATALOGUE_DIR"])
+    assert Settings().index_fields == {"brand": "keyword", "price": "float"}
+    assert Settings().catalogue_dir == "s3://bucket/runs/catalogues"
+    # with the runs on a PVC (not mounted where serving runs) catalogues stay in each pod's HOME unless set
+    assert "CLIPSTREAM_CATALOGUE_DIR" not in one(objects(helm_template()), "ConfigMap", f"{RELEASE}-settings")["data"]
+    with pytest.raises(Exception, match="index_fields"):
+        helm_template("--set-json", 'settings.index_fields={"brand":"text"}')
+
+
 def secret_value(docs: list[dict], name: str, key: str) -> str:
     import base64
 
