@@ -282,8 +282,8 @@ def parser() -> argparse.ArgumentParser:
                      "image_uri (where hits say the image is), text, metadata (declared fields) as it has them")
     add.add_argument("--batch-size", type=int, default=64, help="items per request")
     delete = items_sub.add_parser("delete", help="delete items by id (ids the catalogue lacks are reported)")
-    delete.add_argument("catalogue")
-    delete.add_argument("item_ids", nargs="+", metavar="ITEM_ID")
+    delete.add_argument("catalogue", help="the catalogue's name")
+    delete.add_argument("item_ids", nargs="+", metavar="ITEM_ID", help="the items to delete")
     for q, func in ((add, serving._items_add), (delete, serving._items_delete)):
         client_args(q)
         json_arg(q)
