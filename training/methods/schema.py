@@ -30,10 +30,10 @@ class ModelSection(Section):
 
 class TrainSection(Section):
     epochs: int = Field(ge=1, description="passes over the task's data")
-    max_steps: int = Field(0, ge=0, description="steps per epoch at most; 0 = the whole task (a smoke run or a "
-                           "benchmark caps it)")
     micro_batch: int = Field(ge=1, description="image-text pairs per worker per step")
     grad_accum: int = Field(ge=1, description="micro batches per optimizer step")
+    max_steps: int = Field(0, ge=0, description="steps per epoch at most (0: the whole task): a smoke run or a "
+                           "benchmark caps it")
     lr: float = Field(gt=0, description="peak learning rate of AdamW")
     weight_decay: float = Field(ge=0, description="AdamW's decoupled weight decay")
     betas: list[Annotated[float, Field(ge=0, lt=1)]] = Field(min_length=2, max_length=2,
