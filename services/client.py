@@ -34,13 +34,17 @@ SERVICES = ("clipstream.v1.EncoderService", "clipstream.v1.SearchService", "clip
 
 def service_config(retries: int) -> str:
     """gRPC's retry policy for every clipstream RPC: UNAVAILABLE (the proxy starting, a replica being replaced)
-    is retried with exponential backoff, up to `retries` times (gRPC caps attempts at 5); nothing else is. Waits
-    are random up to 1, 2, 4, 5 s: ~6 s in all on average, longer than Serve takes to stop routing to a dead
-    replica (its health check, every 2 s)."""
+    is retried with exponential backoff, up to `retries` times (gRPC caps attempts at 5); nothing else is, but
+    ABORTED for a catalogue's writes (a promotion re-embedded the catalogue while the request was embedded: sent
+    again, it is embedded by the new version; the writes are idempotent). Waits are random up to 1, 2, 4, 5 s: ~6 s
+    in all on average, longer than Serve takes to stop routing to a dead replica (its health check, every 2 s)."""
     policy = {"maxAttempts": min(retries, 4) + 1, "initialBackoff": "1s", "maxBackoff": "5s",
               "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}
-    return json.dumps({"methodConfig": [{"name": [{"service": s} for s in SERVICES],
-                                         **({"retryPolicy": policy} if retries else {})}]})
+    writes = {**policy, "retryableStatusCodes": ["UNAVAILABLE", "ABORTED"]}
+    return json.dumps({"methodConfig": [
+        {"name": [{"service": s} for s in SERVICES], **({"retryPolicy": policy} if retries else {})},
+        {"name": [{"service": "clipstream.v1.SearchService", "method": m} for m in ("AddItems", "DeleteItems")],
+         **({"retryPolicy": writes} if retries else {})}]})
 
 
 def channel(address: str, *, tls: bool = False, ca_file: Optional[str | Path] = None, retries: int = 4,

@@ -221,6 +221,7 @@ class Search:
 
         def write():
             with self.registry.lock(f"add items to catalogue {name}"):
+                self._still_embedded_by(name, version)
                 store = catalogue.Catalogue.of(self.settings, name)
                 held = store.items()
                 for item, data in zip(items, images):
@@ -281,6 +282,17 @@ class Search:
                                "(`clipstream promote`); a catalogue is embedded by the version queries are",
                                "INDEX_EMPTY")
         return state["query_version"]
+
+    def _still_embedded_by(self, name: str, version: str) -> None:
+        """Under the stream's lock, before writing: the catalogue is still embedded by `version` (a promotion between
+        the check and the lock may have re-embedded it, or moved the query version a new one takes)."""
+        state = self.index.state()
+        held = state["tasks"].get(name)
+        now = held["model_version"] if held else state.get("query_version")
+        if now != version:
+            raise RequestError(grpc.StatusCode.ABORTED, f"catalogue {name!r} is embedded by version {now} since this "
+                               f"request was embedded by {version} (a promotion ran meanwhile): send it again",
+                               "CATALOGUE_VERSION_CHANGED", "catalogue", {"model_version": now})
 
     def _read_image(self, uri: str, at: str) -> bytes:
         """The bytes of an image the server reads itself: only under a root the user allowed (Settings image_roots)."""

@@ -72,6 +72,40 @@ def test_client_retries_unavailable_through_its_service_config():
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and server.attempts == 2  # gave up after 1 retry
 
 
+def test_a_catalogue_write_aborted_by_a_promotion_is_sent_again_and_nothing_else_is():
+    """ABORTED (the catalogue re-embedded by a promotion while the request was embedded) is retried for AddItems and
+    DeleteItems, which are idempotent, and for no other RPC."""
+    from concurrent import futures
+
+    from clipstream.v1 import search_pb2, search_pb2_grpc
+
+    attempts = {"AddItems": 0, "Search": 0}
+
+    class Servicer(search_pb2_grpc.SearchServiceServicer):
+        def AddItems(self, request, context):
+            attempts["AddItems"] += 1
+            if attempts["AddItems"] < 3:
+                context.abort(grpc.StatusCode.ABORTED, "re-embedded meanwhile")
+            return search_pb2.AddItemsResponse(added=1, model_version="2", index_generation=3)
+
+        def Search(self, request, context):
+            attempts["Search"] += 1
+            context.abort(grpc.StatusCode.ABORTED, "no")
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    search_pb2_grpc.add_SearchServiceServicer_to_server(Servicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with Client(f"127.0.0.1:{port}") as client:
+            assert client.add_items("mugs", [{"item_id": "m", "text": "a mug"}])["model_version"] == "2"
+            with pytest.raises(grpc.RpcError) as err:
+                client.search(text="a mug")
+        assert err.value.code() == grpc.StatusCode.ABORTED and attempts == {"AddItems": 3, "Search": 1}
+    finally:
+        server.stop(None)
+
+
 def test_client_does_not_retry_what_a_retry_cannot_fix():
     with FlakyHealth([grpc.StatusCode.INVALID_ARGUMENT]) as server, Client(f"127.0.0.1:{server.port}") as client:
         with pytest.raises(grpc.RpcError) as err:
