@@ -70,6 +70,13 @@ def point_id(item_id: str, modality: str, model_version: str, lineage: str) -> s
     return str(uuid.uuid5(_NAMESPACE, f"{item_id}\x1f{modality}\x1f{model_version}\x1f{lineage}"))
 
 
+def _item_key(kind: str, task: str, item_id: str) -> str:
+    """What names an item in its point id: a trained task's item id as it is (tasks of one version keep their ids
+    apart, `_check_ids_disjoint`), a catalogue's within its catalogue, so that no id a user picks can collide with
+    a task's or another catalogue's (a collision would block a promotion)."""
+    return f"\x1e{task}\x1e{item_id}" if kind == CATALOGUE else item_id
+
+
 @dataclass
 class TaskVectors:
     """One task's gallery embedded by one model version (rows are pairs: image i goes with caption i)."""
@@ -415,8 +422,10 @@ class VectorIndex:
             for modality in MODALITIES:
                 ids, x, payloads = [], [], []
                 for t in tasks:
+                    kind = state["tasks"][t].get("kind", "task")
                     for v, p in self._scroll(state, t, modality):
-                        ids.append(point_id(p["item_id"], modality, p["model_version"], self.lineage))
+                        ids.append(point_id(_item_key(kind, t, p["item_id"]), modality, p["model_version"],
+                                            self.lineage))
                         x.append(v)
                         payloads.append(p)
                     bar.update(state["tasks"][t]["counts"][modality])
@@ -519,7 +528,9 @@ class VectorIndex:
                 "query_version": None}
 
     def _check_ids_disjoint(self, tasks: list[TaskVectors], state: dict | None = None) -> None:
-        """Point ids carry no task, so two tasks under one version must not share an item id."""
+        """A trained task's point ids carry no task, so two tasks under one version must not share an item id
+        (a catalogue's carry it: `_item_key`)."""
+        tasks = [tv for tv in tasks if tv.kind != CATALOGUE]
         seen: dict[tuple[str, str], str] = {}
         for tv in tasks:
             for i in tv.item_ids:
@@ -527,17 +538,17 @@ class VectorIndex:
                     raise VectorIndexError(f"item id {i!r} is in tasks {seen[(tv.model_version, i)]!r} and "
                                            f"{tv.task!r} under one version; item ids must be unique across tasks")
         for tv in tasks if state else ():  # an append: compare with the indexed tasks of the same version
-            others = [t for t, meta in state["tasks"].items() if t != tv.task and meta["model_version"] == tv.model_version]
+            others = [t for t, meta in state["tasks"].items() if t != tv.task and meta["model_version"] == tv.model_version
+                      and meta.get("kind") != CATALOGUE]
             if not others:
                 continue
             # same item, version and lineage give the same point id: look the new ids up instead of reading the
             # other tasks' points, so an append costs what the new task holds, not what the index holds
-            for modality in MODALITIES:
-                ids = {point_id(i, modality, tv.model_version, self.lineage): i for i in tv.ids(modality)}
-                for other, taken in (self._taken(state, others, list(ids), modality) if ids else {}).items():
-                    if taken:
-                        raise VectorIndexError(f"item ids {sorted(ids[t] for t in taken)[:3]} of task {tv.task!r} are "
-                                               f"already used by task {other!r} under version {tv.model_version}")
+            ids = {point_id(i, "image", tv.model_version, self.lineage): i for i in tv.item_ids}
+            for other, taken in self._taken(state, others, list(ids)).items():
+                if taken:
+                    raise VectorIndexError(f"item ids {sorted(ids[t] for t in taken)[:3]} of task {tv.task!r} are "
+                                           f"already used by task {other!r} under version {tv.model_version}")
 
     def _build(self, state: dict, gen: int, items: list, fresh: bool = False) -> dict:
         """Write the tasks into generation `gen`, verify the stored counts, return the state to publish."""
@@ -552,7 +563,8 @@ class VectorIndex:
         for group in groups:
             refs = {}
             for m, modality in enumerate(MODALITIES):
-                ids = [point_id(i, modality, tv.model_version, self.lineage) for tv, _ in group for i in tv.ids(modality)]
+                ids = [point_id(_item_key(tv.kind, tv.task, i), modality, tv.model_version, self.lineage)
+                       for tv, _ in group for i in tv.ids(modality)]
                 payloads = [p for tv, _ in group for p in self._payloads(tv, modality, gen, now)]
                 x = np.concatenate([arrays[m] for _, arrays in group])
                 refs[modality] = self._write(gen, group[0][0].task if len(group) == 1 else None, modality, ids, x,
@@ -635,8 +647,8 @@ class VectorIndex:
         """task -> points it has in ref, read back from storage."""
         raise NotImplementedError
 
-    def _taken(self, state: dict, tasks: list[str], ids: list[str], modality: str) -> dict[str, list[str]]:
-        """task -> those of these point ids (of `modality`) it stores in the serving generation (lookups by id)."""
+    def _taken(self, state: dict, tasks: list[str], ids: list[str]) -> dict[str, list[str]]:
+        """task -> those of these image point ids it stores in the serving generation (lookups by id)."""
         raise NotImplementedError
 
     def _publish(self, new: dict) -> None:
@@ -822,9 +834,9 @@ class EdgeIndex(VectorIndex):
         return [heapq.nlargest(limit, ((p.score, p.payload) for res in per_segment for p in res[q]), key=lambda r: r[0])
                 for q in range(len(queries))]
 
-    def _taken(self, state, tasks, ids, modality):
+    def _taken(self, state, tasks, ids):
         out = {t: [] for t in tasks}
-        for ref, (_, served) in self._by_segment(state, modality, tasks).items():
+        for ref, (_, served) in self._by_segment(state, "image", tasks).items():
             for r in self._open(ref)[0].retrieve(ids, True, False):
                 if r.payload["task"] in served:  # a merged segment also holds other tasks' points
                     out[r.payload["task"]].append(str(r.id))
@@ -909,8 +921,8 @@ class ServerIndex(VectorIndex):
     def _counts(self, ref, tasks):
         return {t: self.client.count(ref, count_filter=self._filter([t]), exact=True).count for t in tasks}
 
-    def _taken(self, state, tasks, ids, modality):
-        found = self.client.retrieve(self._coll(state["generation"], modality), ids, with_payload=["task"])
+    def _taken(self, state, tasks, ids):
+        found = self.client.retrieve(self._coll(state["generation"], "image"), ids, with_payload=["task"])
         return {t: [str(r.id) for r in found if r.payload["task"] == t] for t in tasks}
 
     def _publish(self, new):

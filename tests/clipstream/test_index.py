@@ -782,6 +782,18 @@ def test_a_catalogue_takes_items_replaces_them_by_id_and_deletes_them(make):
     assert missing == [] and "shop" not in state["tasks"] and "shop" not in idx.state()["tasks"]
     assert unchanged(idx, "a", before)  # the trained task's gallery never moved
     assert [h.task for h in idx.search(unit(np.ones(DIM)), "image", None, k=50)] == ["a"] * 20
+    # a catalogue item may take any id, a trained task's included: its point is its catalogue's own
+    idx.upsert(catalogue("1", {"a-001": (True, True, {})}))
+    assert unchanged(idx, "a", before) and set(idx.points("shop", "image")) == {"a-001"}
+    idx.append(tv("a", "1"))  # and the task, indexed again, does not clash with it
+    assert idx.state()["tasks"]["a"]["counts"] == {"image": 20, "text": 20}
+    assert set(idx.points("shop", "text")) == {"a-001"}
+    # merged into one segment with the task (Edge), the catalogue keeps its points and still takes items
+    kept = idx.points("shop", "image")
+    idx.compact()
+    assert idx.points("shop", "image").keys() == kept.keys() and idx.state()["tasks"]["shop"]["kind"] == "catalogue"
+    idx.upsert(catalogue("1", {"z": (False, True, {"brand": "zed"})}))
+    assert set(idx.points("shop", "text")) == {"a-001", "z"} and set(idx.points("a", "image")) == set(before["image"])
 
 
 def test_a_catalogue_refuses_what_would_mix_or_clash_and_changes_nothing(make):
@@ -792,7 +804,6 @@ def test_a_catalogue_refuses_what_would_mix_or_clash_and_changes_nothing(make):
     refusals = [
         (lambda: idx.upsert(catalogue("1", {"x": (True, True, {})}, task="a")), "trained task's gallery"),
         (lambda: idx.upsert(catalogue("2", {"x": (True, True, {})})), "indexed under model version 1"),
-        (lambda: idx.upsert(catalogue("1", {"a-001": (True, True, {})})), "already used by task 'a'"),
         (lambda: idx.upsert(catalogue("1", {"x": (True, True, {"brnd": "acme"})})), "did you mean 'brand'"),
         (lambda: idx.upsert(catalogue("1", {"x": (True, True, {"year": "2020"})})), "declared integer, got str"),
         (lambda: idx.upsert(catalogue("1", {"x": (True, True, {"year": True})})), "declared integer, got bool"),

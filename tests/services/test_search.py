@@ -195,8 +195,6 @@ def _values(*values):
      "IMAGE_NOT_DECODABLE", "items[1].image"),
     ("AddItems", {"catalogue": "mugs", "items": [item(0, text="")] + [item(1, text="x" * 101)]}, "RESOURCE_EXHAUSTED",
      "TEXT_TOO_LONG", "items[1].text"),
-    ("AddItems", {"catalogue": "mugs", "items": [item(0, item_id="squares-0")]}, "INVALID_ARGUMENT", "ITEMS_REFUSED",
-     "items"),
     ("DeleteItems", {"catalogue": "mugs", "item_ids": ["mug-0"]}, "NOT_FOUND", "CATALOGUE_NOT_FOUND", "catalogue"),
     ("DeleteItems", {"catalogue": "squares", "item_ids": ["squares-0"]}, "INVALID_ARGUMENT", "CATALOGUE_IS_A_TASK",
      "catalogue"),
