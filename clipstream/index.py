@@ -309,7 +309,7 @@ class VectorIndex:
             state = self._read()
             old = self._catalogue(state, vectors.task, vectors.model_version)
             if old:
-                kept = self._stored(state, vectors.task, drop=set(vectors.item_ids))
+                kept, _ = self._stored(state, vectors.task, drop=set(vectors.item_ids))
                 vectors = _joined(kept, vectors) if kept else vectors
             return self._put(state, vectors)
 
@@ -323,13 +323,11 @@ class VectorIndex:
             if task not in state["tasks"]:
                 raise VectorIndexError(f"unknown catalogue {task!r}; indexed: {sorted(state['tasks'])}")
             self._catalogue(state, task, state["tasks"][task]["model_version"])
-            held = {p["item_id"] for _, p in self._scroll(state, task, "image")} | \
-                {p["item_id"] for _, p in self._scroll(state, task, "text")}
-            missing, drop = [i for i in item_ids if i not in held], set(item_ids) & held
-            if not drop:
+            kept, held = self._stored(state, task, drop=set(item_ids))
+            missing = [i for i in item_ids if i not in held]
+            if len(missing) == len(item_ids):
                 return self.state(), missing
             self._sweep(state)
-            kept = self._stored(state, task, drop=drop)
             if kept:
                 new = self._build(state, max(state["generation"], 1), [(kept, _check_task(kept, state["dim"],
                                                                                             self.fields))])
@@ -359,17 +357,19 @@ class VectorIndex:
         new["query_version"] = state.get("query_version") or vectors.model_version
         return self._commit(state, new)
 
-    def _stored(self, state: dict, task: str, drop: set = frozenset()) -> TaskVectors | None:
-        """Task `task` as stored (vectors, captions, URIs, metadata), without the items in `drop`; None if none is
-        left."""
+    def _stored(self, state: dict, task: str, drop: set = frozenset()) -> tuple[TaskVectors | None, set[str]]:
+        """(task `task` as stored (vectors, captions, URIs, metadata) without the items in `drop`, None if none is
+        left; every item id it held), from one read of its points."""
         meta = state["tasks"][task]
-        rows = {m: [(v, p) for v, p in self._scroll(state, task, m) if p["item_id"] not in drop] for m in MODALITIES}
+        every = {m: list(self._scroll(state, task, m)) for m in MODALITIES}
+        held = {p["item_id"] for m in MODALITIES for _, p in every[m]}
+        rows = {m: [(v, p) for v, p in every[m] if p["item_id"] not in drop] for m in MODALITIES}
         items: dict[str, dict] = {}
         for m in MODALITIES:
             for _, p in rows[m]:
                 items.setdefault(p["item_id"], p.get(META) or {})
         if not items:
-            return None
+            return None, held
         dim = state["dim"]
         vectors = {m: np.asarray([v for v, _ in rows[m]], dtype=np.float32).reshape(-1, dim) for m in MODALITIES}
         return TaskVectors(task, meta["task_index"], meta["model_version"], list(items), vectors["image"],
@@ -377,7 +377,7 @@ class VectorIndex:
                            split=rows["image"][0][1]["split"] if rows["image"] else rows["text"][0][1]["split"],
                            image_uris=[p.get("image_uri", "") for _, p in rows["image"]], kind=meta.get("kind", "task"),
                            metadata=list(items.values()), image_ids=[p["item_id"] for _, p in rows["image"]],
-                           text_ids=[p["item_id"] for _, p in rows["text"]])
+                           text_ids=[p["item_id"] for _, p in rows["text"]]), held
 
     def reindex(self, tasks: list[TaskVectors]) -> dict:
         """Reindex: build generation g+1 with exactly these tasks, verify counts, switch atomically, drop g."""

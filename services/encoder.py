@@ -75,6 +75,17 @@ class RequestError(Exception):
         return status
 
 
+def check_count(count: int, limit: int, field: str, what: str) -> None:
+    """A request's list `field` of `what` holds 1 to `limit` entries (Settings serve_max_items)."""
+    if not count:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"empty batch: send at least one of {what}",
+                           "EMPTY_BATCH", field)
+    if count > limit:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{count} {what} in one request; the limit is {limit}: "
+                           "split the request (the Python client does this for you)", "TOO_MANY_ITEMS", field,
+                           {"limit": limit})
+
+
 def _unexpected(exc: Exception) -> RequestError:
     """A failure that is not the request's fault, as the caller should see it: UNAVAILABLE (worth a retry, which
     the client's retry policy makes) when a replica or the registry went away, else INTERNAL; never a traceback,
@@ -268,15 +279,8 @@ class Encoder:
                                {"model_version": version, "languages": ",".join(known.languages)})
 
     def _validate(self, modality: str, items: list) -> list:
-        if not items:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"empty batch: send at least one {modality}",
-                               "EMPTY_BATCH", f"{modality}s")
         limits = self.settings
-        if len(items) > limits.serve_max_items:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"{len(items)} {modality}s in one request; the limit is {limits.serve_max_items}: "
-                               "split the request (the Python client does this for you)", "TOO_MANY_ITEMS",
-                               f"{modality}s", {"limit": limits.serve_max_items})
+        check_count(len(items), limits.serve_max_items, f"{modality}s", f"{modality}s")
         if modality == "text":
             for i, text in enumerate(items):
                 if not text.strip():

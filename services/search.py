@@ -37,7 +37,7 @@ from clipstream.index import (
 )
 from clipstream.registry import PRODUCTION, LockHeld, Registry, RegistryError
 from clipstream.roots import under_allowed_root
-from clipstream.services.encoder import RequestError
+from clipstream.services.encoder import RequestError, check_count
 from clipstream.settings import configure_process
 from clipstream.v1 import admin_pb2, search_pb2
 
@@ -177,12 +177,7 @@ class Search:
         return offset, generation
 
     def _count(self, count: int, field: str, what: str) -> None:
-        if not count:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"no {what}: send at least one", "EMPTY_BATCH", field)
-        if count > self.settings.serve_max_items:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{count} {what} in one request; the limit is "
-                               f"{self.settings.serve_max_items}: split the request", "TOO_MANY_ITEMS", field,
-                               {"limit": self.settings.serve_max_items})
+        check_count(count, self.settings.serve_max_items, field, what)
 
     # ---- catalogues -----------------------------------------------------------------------------------------
     async def add_items(self, request: search_pb2.AddItemsRequest) -> search_pb2.AddItemsResponse:
@@ -286,9 +281,7 @@ class Search:
     def _still_embedded_by(self, name: str, version: str) -> None:
         """Under the stream's lock, before writing: the catalogue is still embedded by `version` (a promotion between
         the check and the lock may have re-embedded it, or moved the query version a new one takes)."""
-        state = self.index.state()
-        held = state["tasks"].get(name)
-        now = held["model_version"] if held else state.get("query_version")
+        now = self._catalogue_version(name)
         if now != version:
             raise RequestError(grpc.StatusCode.ABORTED, f"catalogue {name!r} is embedded by version {now} since this "
                                f"request was embedded by {version} (a promotion ran meanwhile): send it again",
