@@ -32,6 +32,7 @@ import codecs
 import csv
 import difflib
 import errno
+import functools
 import glob
 import hashlib
 import io
@@ -64,6 +65,8 @@ TASK_KEYS = ("name", "kind", "splits", "index", "description", "lang", "classes"
 NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # and no ".." (see Task.load)
 TEXT_FIELDS = ("id", "image", "caption", "caption_en", "label", "lang")
 CONTROL_CHARS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # C0 controls and DEL; tab is allowed
+# a row's canonical JSON for data_sha; one encoder for every row (json.dumps with options builds one per call)
+CANONICAL = json.JSONEncoder(sort_keys=True)
 # The same limit as clipstream.models.MAX_IMAGE_PIXELS, which a model's loader applies; not imported from
 # there, as that module loads torch and open_clip (seconds) and checking data needs neither (a test keeps them equal).
 MAX_IMAGE_PIXELS = 4096 * 4096
@@ -106,6 +109,12 @@ class Task:
     _images: dict = field(default_factory=dict, repr=False, compare=False)
     _folders: dict = field(default_factory=dict, repr=False, compare=False)
     _rows: dict = field(default_factory=dict, repr=False, compare=False)  # split -> its rows as read (not shards')
+
+    @functools.cached_property
+    def _local_folder(self) -> Optional[str]:
+        """The task's local folder as a string, None on a remote filesystem."""
+        local = _local(self.root)
+        return None if local is None else str(local)
 
     @classmethod
     def load(cls, path: str | Path) -> "Task":
@@ -241,15 +250,44 @@ class Task:
             return "missing image field", hashlib.sha256(b"").digest()
         if isinstance(key, str) and key in self._images:
             return self._images[key]
-        path = image_location(self.root, key, self._folders)
         try:
-            data = path.read_bytes()
+            data = self._read_plain(key)
+            if data is None:  # not a plain relative path: the full checks of image_location, then the read
+                path = image_location(self.root, key, self._folders)
+                with path.open("rb") as f:
+                    data = f.read()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             facts = f"image not found: {self.root / str(key)}", hashlib.sha256(b"").digest()
         else:
             facts = self._verify(row, data), hashlib.sha256(data).digest()
         self._images[key] = facts
         return facts
+
+    def _read_plain(self, key) -> Optional[bytes]:
+        """The bytes of a local task's image at a plain relative path (no '..', no control character, a file name),
+        or None for any other path (or a file that is a symlink): `image_location` then decides. The same rule as
+        `_resolves_inside`, one system call cheaper: the file is opened without following a symlink (O_NOFOLLOW),
+        so a symlinked file is never read here, and its folder is the memo's resolved one; the checks of a task of
+        millions of images are mostly these opens."""
+        local = self._local_folder
+        if local is None or not isinstance(key, str) or ".." in key or "://" in key or key.startswith("/") \
+                or CONTROL_CHARS.search(key):
+            return None
+        parent, name = os.path.split(os.path.join(local, key))
+        try:
+            top = _folder(local, self._folders).rstrip("/") + "/"
+            if name in ("", ".") or not (_folder(parent, self._folders) + "/").startswith(top):
+                return None
+        except (OSError, RuntimeError):  # a symlink loop on the way: image_location says so
+            return None
+        try:
+            fd = os.open(os.path.join(parent, name), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # the file is a symlink
+                return None
+            raise
+        with open(fd, "rb") as f:
+            return f.read()
 
     @staticmethod
     def _verify(row: dict, data: bytes) -> Optional[str]:
@@ -275,7 +313,8 @@ class Task:
         for split in sorted(self.splits):
             rows = self._split_rows(split)
             for (where, row), image in zip(rows, parallel(self._image_digest, rows, self.threads)):  # (as `check`)
-                digest.update(json.dumps({k: v for k, v in row.items() if k != "image_bytes"}, sort_keys=True).encode())
+                digest.update(CANONICAL.encode({k: v for k, v in row.items() if k != "image_bytes"}
+                                               if "image_bytes" in row else row).encode())
                 digest.update(image)
         return digest.hexdigest()
 
@@ -381,28 +420,32 @@ def _resolves_inside(local: str, rel: str, folders: dict) -> bool:
     """Whether local/rel, its symlinks resolved (to the file, to each folder on the way), stays under `local`, whose
     folders' resolved paths `folders` holds (filled as they are met): a file that is no symlink is its resolved
     folder / its name, an lstat. String paths: pathlib's objects cost more here than the system calls."""
-    def real(path: str) -> str:  # os.path.realpath, a symlink loop an error (as Path.resolve makes it)
-        resolved = os.path.realpath(path)
-        try:
-            os.stat(resolved)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise RuntimeError(f"Symlink loop from {exc.filename!r}") from exc
-        return resolved
-
-    def folder(path: str) -> str:
-        if path not in folders:
-            folders[path] = real(path)
-        return folders[path]
-
     target = os.path.join(local, rel)
     parent, name = os.path.split(target)
     if name in ("", ".", "..") or os.path.islink(target):
-        resolved = real(target)
+        resolved = _real(target)
     else:
-        resolved = os.path.join(folder(parent), name)
-    top = folder(local)
+        resolved = os.path.join(_folder(parent, folders), name)
+    top = _folder(local, folders)
     return resolved == top or resolved.startswith(top.rstrip("/") + "/")
+
+
+def _folder(path: str, folders: dict) -> str:
+    """A folder's resolved path, from the memo `folders` or resolved into it."""
+    if path not in folders:
+        folders[path] = _real(path)
+    return folders[path]
+
+
+def _real(path: str) -> str:
+    """os.path.realpath, a symlink loop an error (as Path.resolve makes it)."""
+    resolved = os.path.realpath(path)
+    try:
+        os.stat(resolved)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RuntimeError(f"Symlink loop from {exc.filename!r}") from exc
+    return resolved
 
 
 def _local(base) -> Optional[Path]:
@@ -418,7 +461,7 @@ def _climbs_out(rel: str, local: bool) -> Optional[str]:
         return "it is a URI"
     if rel.startswith("/"):
         return "it is absolute"
-    if os.path.normpath(rel).split("/")[0] == "..":
+    if ".." in rel and os.path.normpath(rel).split("/")[0] == "..":
         return "'..' climbs out of it"
     if not local and ".." in PurePosixPath(rel).parts:  # no symlinks to resolve against there: no '..' at all
         return "'..' is not allowed in a task given by URI"

@@ -2,6 +2,7 @@
 import csv
 import io
 import json
+import os
 import re
 import tarfile
 import warnings
@@ -555,6 +556,18 @@ def test_a_symlinked_folder_out_is_refused_and_one_inside_is_fine(tmp_path):
     assert len(Task.load(root).check("train").rows) == 4
 
 
+def test_an_image_that_is_a_symlink_inside_the_task_is_read_through_it(tmp_path):
+    """A symlinked file is never read by the plain-path read (opened without following links): the full check
+    decides, and a link that stays inside reads and hashes as the file it names."""
+    root = make_task(tmp_path / "t")
+    before = Task.load(root).data_sha()
+    (root / "images/train/1.png").rename(root / "images/kept.png")
+    (root / "images/train/1.png").symlink_to(root / "images/kept.png")
+    task = Task.load(root)
+    assert len(task.check("train").rows) == 4
+    assert task.data_sha() == before  # the same bytes through the link
+
+
 def test_a_dotdot_that_stays_inside_is_fine(tmp_path):
     rows = default_rows(2)
     make_task(tmp_path / "t", {"train": rows})
@@ -857,14 +870,20 @@ def test_check_then_data_sha_read_each_image_once(tmp_path, monkeypatch):
     root = make_task(tmp_path / "t", {"train": default_rows(4), "test": default_rows(2, "test")})
     import builtins
 
-    opened, real_open = [], io.open
+    opened, real_open, real_os_open = [], io.open, os.open
 
-    def counting_open(file, *args, **kwargs):  # pathlib's reads and PIL's opens alike
-        opened.append(Path(str(file)).name)
+    def counting_open(file, *args, **kwargs):  # pathlib's reads and PIL's opens alike (not a file descriptor's)
+        if not isinstance(file, int):
+            opened.append(Path(str(file)).name)
         return real_open(file, *args, **kwargs)
+
+    def counting_os_open(file, *args, **kwargs):  # a local task's plain paths (opened without following symlinks)
+        opened.append(Path(str(file)).name)
+        return real_os_open(file, *args, **kwargs)
 
     monkeypatch.setattr(io, "open", counting_open)
     monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(os, "open", counting_os_open)
     task = Task.load(root)
     task.check("train")
     task.check("test")
