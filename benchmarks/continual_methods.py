@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -106,6 +107,9 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "start of every method (a trained CLIP for the others to adapt, as a pretrained checkpoint "
                         "would be); default: each method itself, except those that need a trained start (CLL-CLIP), "
                         "which start from finetune's")
+    p.add_argument("--against", default="", metavar="ROW",
+                   help="also the paired differences against this row, named as the table names it (e.g. "
+                        "'ctp queue_size=256'): a sweep's values against the preset's, beside those against finetune")
     p.add_argument("--out", default=str(report.RESULTS / "methods.md"),
                    help="the markdown; the plots go next to it (.png, -forest.png)")
     add_training_arguments(p, seed=False)
@@ -117,7 +121,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     args = report.parse(parser(prog), argv)
     text = methods(Settings(), args.tasks, cells.parse_seeds(args.seeds), args.methods.split(","), args.workers,
                    training_sets(args), Path(args.out), args.start_with, cells.parse_vary(args.vary),
-                   args.test_per_task, args.fresh, args.cache, args.resamples)
+                   args.test_per_task, args.fresh, args.cache, args.resamples, args.against)
     print(text)
     return text
 
@@ -170,7 +174,7 @@ def statistics(tasks: int, modes: Sequence[str] = ("known", "unknown")) -> dict[
 def methods(settings: Settings, tasks: int = 3, seeds: Sequence[int] = (0, 1, 2), names: Sequence[str] = (),
             workers: int = 2, overrides: Iterable[str] = (), out: Path = report.RESULTS / "methods.md",
             start_with: str = "", vary: Sequence[tuple[str, list[str]]] = (), test_per_task: int = TEST_PER_TASK,
-            fresh: bool = False, cache: str | Path = "", resamples: int = 1000) -> str:
+            fresh: bool = False, cache: str | Path = "", resamples: int = 1000, against: str = "") -> str:
     """Train the same synthetic stream (`tasks` domain tasks + digits, `test_per_task` test pairs each) once per
     method variant and seed, each seed's streams in one MLflow experiment and registered model; write the comparison
     to `out` and its plots next to it."""
@@ -185,6 +189,9 @@ def methods(settings: Settings, tasks: int = 3, seeds: Sequence[int] = (0, 1, 2)
         raise ValueError(f"workers must be >= 1, got {workers}")
     seeds = check_cells(seeds, test_per_task, resamples, DIGITS_MAX_TEST)
     variants = cells.expand({n: (n, []) for n in names}, vary, BASELINE, train_sets)
+    if against and against not in [v.label for v in variants]:
+        raise ValueError(f"--against {against!r}: no such row; the rows are "
+                         f"{', '.join(repr(v.label) for v in variants)}")
 
     def first(variant: cells.Variant) -> tuple[str, tuple[str, ...]]:
         if start_with:
@@ -204,17 +211,20 @@ def methods(settings: Settings, tasks: int = 3, seeds: Sequence[int] = (0, 1, 2)
     tables = statistics(tasks + 1, stats.modes(streams))
     summary = stats.bootstrap(streams, [st for table in tables.values() for st in table],
                               BASELINE if BASELINE in results else None, resamples)
+    versus = stats.bootstrap(streams, compared(tables), against, resamples) if against else None
     sets = "".join(f" --set {o}" for o in overrides) + "".join(f" --vary {k}={','.join(v)}" for k, v in vary)
     command = (f"clipstream bench methods --tasks {tasks} --seeds {','.join(map(str, seeds))} --test-per-task "
                f"{test_per_task} --methods {','.join(names)} --workers {workers}{sets}"
-               f"{f' --start-with {start_with}' if start_with else ''} --resamples {resamples} --out {out}")
+               f"{f' --start-with {start_with}' if start_with else ''}"
+               f"{f' --against {shlex.quote(against)}' if against else ''} --resamples {resamples} --out {out}")
     starts = (f"every stream trains its first task with {start_with}, once per seed" if start_with else "".join(
         f"; {n} starts from finetune's first task (it teaches a trained CLIP)" for n in names
         if build(resolve(n, train_sets)).needs_trained_start).removeprefix("; "))
     return methods_report(summary, results, tables, Path(out), command, report.device(f"{workers} Ray Train workers"),
                           f"{tasks} synthetic domain tasks + the digits task, {test_per_task} test pairs per task "
                           f"(the task-unknown gallery after the last task: {(tasks + 1) * test_per_task}); zero-shot: "
-                          f"the held-out domain task, {test_per_task} test pairs" + (f"; {starts}" if starts else ""))
+                          f"the held-out domain task, {test_per_task} test pairs" + (f"; {starts}" if starts else ""),
+                          versus)
 
 
 def finite_mean(values: Iterable[float]) -> float:
@@ -244,10 +254,16 @@ def accuracy_cell(cells: list[dict]) -> str:
     return f"{np.mean(found):.1f} [{min(found):.1f}, {max(found):.1f}]"
 
 
+def compared(tables: dict[str, list[Statistic]]) -> list[Statistic]:
+    """The statistics the paired differences show: the headline's and task-unknown R@1."""
+    return [*tables["headline"], tables["recall"][len(KS)]]
+
+
 def methods_report(summary: stats.Summary, results: dict[str, dict[int, dict]], tables: dict[str, list[Statistic]],
-                   out: Path, command: str, device: str, stream: str = "") -> str:
+                   out: Path, command: str, device: str, stream: str = "", versus: stats.Summary | None = None) -> str:
     """Write the tables to `out` (markdown), AA after each task with its band to `out`.png and the paired differences
-    to `out`-forest.png; return the markdown. `results[label][seed]`: the cells (`cells.run_seed`)."""
+    to `out`-forest.png; return the markdown. `results[label][seed]`: the cells (`cells.run_seed`); `versus`: the
+    paired differences against another row too (`--against`)."""
     out = Path(out)
     base = summary.baseline
     curve = [st.name for st in tables["curve"]]
@@ -290,17 +306,18 @@ def methods_report(summary: stats.Summary, results: dict[str, dict[int, dict]], 
     lines += report.table(["method", *(st.name for st in tables["recall"])],
                           [[label, *(est[st.name].format() for st in tables["recall"])]
                            for label, est in summary.estimates.items()])
-    if base:
-        shown = [*headline, tables["recall"][len(KS)]]  # + task-unknown R@1
-        lines += ["", f"## Paired difference against {base}", "",
-                  f"Each method minus {base} on the same seeds and the same resampled test pairs (same seed = same "
-                  f"data and queries), signed so that > 0 favours the method: for forgetting and the zero-shot drop, "
-                  f"where lower is better, it is {base} − method. A method beats {base} on a statistic only where its "
-                  "interval lies above 0.", ""]
-        lines += stats.difference_table(summary, shown)
-        forest = stats.plot_forest(summary, [headline[0], headline[1], headline[3], headline[5]],
-                                   out.with_name(f"{out.stem}-forest.png"))
-        lines += ["", f"![paired differences against {base}]({forest.name})"]
+    for paired in ([summary] if base else []) + ([versus] if versus else []):
+        against = paired.baseline
+        lines += ["", f"## Paired difference against {against}", "",
+                  f"Each method minus {against} on the same seeds and the same resampled test pairs (same seed = "
+                  f"same data and queries), signed so that > 0 favours the method: for forgetting and the zero-shot "
+                  f"drop, where lower is better, it is {against} − method. A method beats {against} on a statistic "
+                  "only where its interval lies above 0.", ""]
+        lines += stats.difference_table(paired, compared(tables))
+        if paired is summary:
+            forest = stats.plot_forest(summary, [headline[0], headline[1], headline[3], headline[5]],
+                                       out.with_name(f"{out.stem}-forest.png"))
+            lines += ["", f"![paired differences against {base}]({forest.name})"]
     if len(tables["modes"]) > 4:  # more gallery modes than task-known and task-unknown
         lines += ["", "## Every gallery mode", ""]
         lines += report.table(["method", *(st.name for st in tables["modes"])],

@@ -39,9 +39,10 @@ def test_the_report_has_intervals_paired_differences_recall_and_the_plots(tmp_pa
     streams = cells.streams(results)
     tables = bench.statistics(3, stats.modes(streams))
     summary = stats.bootstrap(streams, [st for t in tables.values() for st in t], "finetune", resamples=200)
+    versus = stats.bootstrap(streams, bench.compared(tables), "ewc weight=100", resamples=200)
     out = tmp_path / "results" / "methods.md"
     text = bench.methods_report(summary, results, tables, out, "clipstream bench methods --seeds 0,1", "CPU (test)",
-                                "s")
+                                "s", versus)
     assert out.read_text() == text
     assert "Reproduce: `clipstream bench methods --seeds 0,1`" in text and "Device: CPU (test). Stream: s." in text
     assert "Seeds 0, 1; test pairs per task: 300." in text and "hierarchical bootstrap of 200 resamples" in text
@@ -59,7 +60,12 @@ def test_the_report_has_intervals_paired_differences_recall_and_the_plots(tmp_pa
     # R@1 of the unknown gallery: every rank moved down by 5, nothing left at rank 0
     assert summary.estimates["ewc weight=100"]["task-unknown R@1"].point == 0
     assert ewc["task-unknown R@10"].point == pytest.approx(ewc["task-known R@1"].point)
-    section = text.split("## Paired difference against finetune")[1]
+    # --against: the same differences seen from the other row, finetune's now worse on what ewc beat it on
+    against = text.split("## Paired difference against ewc weight=100")[1]
+    ft_diff = next(line for line in against.splitlines() if line.startswith("| finetune | "))
+    assert ft_diff.endswith("| - | AA, forgetting, BWT, final Rm (task-unknown AA), zero-shot Rm, zero-shot drop |")
+    assert "Δ forgetting (ewc weight=100 − method: > 0 = lower)" in against
+    section = text.split("## Paired difference against finetune")[1].split("## Paired difference against")[0]
     assert "Δ forgetting (finetune − method: > 0 = lower)" in section and "Δ AA (method − finetune)" in section
     ewc_diff = next(line for line in section.splitlines() if line.startswith("| ewc weight=100 | "))
     assert ewc_diff.endswith("| AA, forgetting, BWT, final Rm (task-unknown AA), zero-shot Rm, zero-shot drop | - |")
@@ -101,7 +107,7 @@ def test_help_exits_0(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     for flag in ("--tasks", "--seeds", "--methods", "--workers", "--set", "--out", "--test-per-task", "--vary",
-                 "--fresh", "--cache", "--resamples", "--start-with", "ewc weight=100"):
+                 "--fresh", "--cache", "--resamples", "--start-with", "--against", "ewc weight=100"):
         assert flag in out
 
 
@@ -117,6 +123,8 @@ def test_help_exits_0(capsys):
     (["--methods", "finetune,ewc", "--vary", "nope=1,2"], "--vary nope: none of ewc has that key"),
     (["--methods", "finetune,ewc", "--vary", "weight"], "--vary weight: must look like KEY=V1,V2"),
     (["--methods", "finetune", "--resamples", "5"], "--resamples must be >= 10"),
+    (["--methods", "finetune,ewc", "--vary", "weight=1,2", "--against", "ewc"],
+     "--against 'ewc': no such row; the rows are 'finetune', 'ewc weight=1', 'ewc weight=2'"),
 ])
 def test_bad_input_exits_2_before_any_training(argv, message, settings, monkeypatch, capsys):
     def boom(*args, **kwargs):
