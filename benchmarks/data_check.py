@@ -38,11 +38,10 @@ from clipstream.benchmarks import report
 
 TARGET_PER_CORE = 0.8
 # what cProfile showed of clipstream's side on a local disk (a miss's reason, shown with the check)
-WHY = ("each image and each split's rows are read once for the check and the hash, and a path's symlink check is an "
-       "lstat against the task's folders resolved once; what is left is the path checks themselves (a relative path's "
-       "'..', the symlinks of its folders and of the file), about a fifth of the work left beside PIL's and the "
-       "hash's, the rows' validation and their canonical JSON for the hash. Threads do not help on a local disk (the "
-       "work holds the GIL); they serve tasks on object storage")
+WHY = ("each image and each split's rows are read once for the check and the hash, and a local task's plain relative "
+       "paths by one open that does not follow symlinks; what is left beside PIL's and the hash's work is the rows' "
+       "validation and their canonical JSON for the hash. Threads do not help on a local disk (the work holds the "
+       "GIL); they serve tasks on object storage")
 
 
 def make_task(root: Path, images: int, size: int, test: int = 1) -> Path:
