@@ -253,9 +253,7 @@ class Task:
         try:
             data = self._read_plain(key)
             if data is None:  # not a plain relative path: the full checks of image_location, then the read
-                path = image_location(self.root, key, self._folders)
-                with path.open("rb") as f:
-                    data = f.read()
+                data = image_location(self.root, key, self._folders).read_bytes()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             facts = f"image not found: {self.root / str(key)}", hashlib.sha256(b"").digest()
         else:
@@ -275,8 +273,7 @@ class Task:
             return None
         parent, name = os.path.split(os.path.join(local, key))
         try:
-            top = _folder(local, self._folders).rstrip("/") + "/"
-            if name in ("", ".") or not (_folder(parent, self._folders) + "/").startswith(top):
+            if name in ("", ".") or not _within(_folder(parent, self._folders), _folder(local, self._folders)):
                 return None
         except (OSError, RuntimeError):  # a symlink loop on the way: image_location says so
             return None
@@ -426,7 +423,11 @@ def _resolves_inside(local: str, rel: str, folders: dict) -> bool:
         resolved = _real(target)
     else:
         resolved = os.path.join(_folder(parent, folders), name)
-    top = _folder(local, folders)
+    return _within(resolved, _folder(local, folders))
+
+
+def _within(resolved: str, top: str) -> bool:
+    """Whether the resolved path `resolved` is the folder `top` or under it."""
     return resolved == top or resolved.startswith(top.rstrip("/") + "/")
 
 
