@@ -118,6 +118,8 @@ class Encoder:
         self.registry = Registry(settings, alias_ttl_s)
         self._staleness = Gauge("clipstream_registry_stale_seconds", description="how long the Encoder has served "
                                 "the production version last seen because the model registry does not answer")
+        self._staleness.set(0.0)
+        self._stale_shown = 0.0
         torch.set_num_threads(max(1, int(settings.serve_encoder_cpus)))  # Ray pins 1 thread to a fractional reservation
         keep_freed_memory()  # every batch re-allocates what the last one freed
         # the GPU Ray gave this replica (settings.serve_encoder_gpus), if any: Ray's own record, since with none
@@ -126,6 +128,7 @@ class Encoder:
         self.settings = settings
         self._entries: dict = {}  # version -> its registry entry (languages, tokenizer), read once
         self.batches_seen: list[int] = []  # sizes of recent batches: shows batching at work (tests, debugging)
+        self._handed = self.most_handed = 0  # batches handed to the model thread and not answered yet (now, at most)
         self._encode.set_max_batch_size(settings.serve_batch_size)
         self._encode.set_batch_wait_timeout_s(batch_wait_s)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="encode")  # one model call at a time, off the loop
@@ -212,6 +215,10 @@ class Encoder:
     async def BatchSizes(self, request=None) -> list[int]:
         return list(self.batches_seen)
 
+    async def most_batches_handed(self) -> int:
+        """The most batches this replica has had handed to its model thread at once (2: the next one waited there)."""
+        return self.most_handed
+
     async def loaded(self) -> list[str]:
         """Versions in this replica's model cache, least recently used first."""
         wrapper = getattr(self._loader, "__serve_multiplex_wrapper", None)
@@ -258,8 +265,11 @@ class Encoder:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{exc}: retry shortly", "REGISTRY_UNAVAILABLE") from exc
         except RegistryError as exc:
             raise RequestError(grpc.StatusCode.NOT_FOUND, str(exc), "VERSION_NOT_FOUND", "model_version") from exc
-        finally:
-            self._staleness.set(self.registry.staleness_s())
+        finally:  # Ray's Gauge.set costs more than the rest of a small request's work on the loop: only on change
+            stale = self.registry.staleness_s()
+            if stale != self._stale_shown:
+                self._staleness.set(stale)
+                self._stale_shown = stale
 
     async def registry_staleness(self) -> float:
         """Seconds this replica has served aliases as last seen because the registry does not answer (0: it does)."""
@@ -309,8 +319,16 @@ class Encoder:
                                    "IMAGE_NOT_DECODABLE", f"images[{i}]") from exc
         return images
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+    # Two batches at once: while the model thread runs one, the next is already handed to that thread's queue, so
+    # the model goes from batch to batch without waiting for this event loop in between (on a GPU: never idles).
+    # The single-thread executor still runs one model call at a time.
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005, max_concurrent_batches=2)
     async def _encode(self, requests: list[tuple[str, str, list]]) -> list[np.ndarray]:
         self.batches_seen = (self.batches_seen + [len(requests)])[-1000:]
         bundles = {version: await self.model(version) for version in dict.fromkeys(r[0] for r in requests)}
-        return await asyncio.get_running_loop().run_in_executor(self._compute, ModelPath.encode, requests, bundles)
+        self._handed += 1
+        self.most_handed = max(self.most_handed, self._handed)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._compute, ModelPath.encode, requests, bundles)
+        finally:
+            self._handed -= 1

@@ -99,8 +99,27 @@ def test_one_async_client_is_compared_with_one_in_process_caller(tmp_path):
               "rates": {"in-process": [1000.0, 1100.0, 900.0], "async client": [850.0, 700.0, 880.0]}}
     text = bench.encode_report(results(), tmp_path / "ge.md", "c", "d", "a", 8, 32, single=single)
     assert "## One client, 10000 captions" in text and "| async client | 850.0 | 850, 700, 880 |" in text
-    assert "AsyncClient ÷ in-process: 0.85×." in text
+    assert "| AsyncClient ÷ in-process | 0.85 | 0.85, 0.64, 0.98 |" in text
+    assert "AsyncClient ÷ in-process: 0.85× (median of the rounds' ratios, 0.64-0.98)." in text
     checks = {c["check"]: c for c in json.loads((tmp_path / "ge.json").read_text())["checks"]}
     assert checks["text: one AsyncClient ÷ one in-process caller items/s, 10000 captions"]["ok"]
     single["rates"]["async client"] = [700.0] * 3
     assert not bench.checks(results(), single)[0]["ok"]
+
+
+def test_the_one_client_ratio_is_taken_round_by_round():
+    # the machine slowed down in round 2: both sides of that round alike. The ratio of the medians (700 ÷ 800 =
+    # 0.875) would credit the client with the in-process side's slow round; round by round it is 0.83
+    single = {"rates": {"in-process": [1000.0, 600.0, 800.0], "async client": [700.0, 500.0, 780.0]}}
+    assert bench.round_ratios(single) == pytest.approx([0.7, 5 / 6, 0.975])
+    assert bench.one_client_ratio(single) == pytest.approx(5 / 6)
+
+
+@pytest.mark.component
+def test_one_client_runs_both_sides_against_the_served_app(served):
+    from clipstream.registry import Registry
+
+    settings, _, _, (v1, _) = served
+    single = bench.one_client(Registry(settings).load(v1), f"127.0.0.1:{settings.grpc_port}", 40, 8, 2, 3)
+    assert single["captions"] == 40 and single["batch"] == 8 and single["in_flight"] == 2
+    assert all(len(r) == 3 and min(r) > 0 for r in single["rates"].values())

@@ -83,6 +83,23 @@ def test_concurrent_requests_are_batched(served):
     assert max(sizes) > 1
 
 
+def test_batches_are_pipelined_and_each_caller_gets_its_own_answer(served):
+    """While the model thread runs one batch the next waits on it (no round trip through the event loop between
+    batches); answers are still each request's own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray import serve
+
+    _, _, stub, _ = served
+    texts = [f"{colour} cup number {i}" for i, colour in enumerate(["red", "blue", "green"] * 10)]
+    alone = {t: list(stub.EncodeText(encoder_pb2.EncodeTextRequest(texts=[t])).embeddings[0].values) for t in texts}
+    with ThreadPoolExecutor(len(texts)) as pool:
+        together = list(pool.map(lambda t: stub.EncodeText(encoder_pb2.EncodeTextRequest(texts=[t, t])), texts))
+    for t, answer in zip(texts, together):
+        np.testing.assert_allclose([list(e.values) for e in answer.embeddings], [alone[t]] * 2, atol=1e-5)
+    assert serve.get_deployment_handle("Encoder", app.APP).most_batches_handed.remote().result() == 2
+
+
 def test_health_and_reflection_work_without_our_stubs(served, indexed):
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
