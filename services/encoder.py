@@ -265,7 +265,7 @@ class Encoder:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{exc}: retry shortly", "REGISTRY_UNAVAILABLE") from exc
         except RegistryError as exc:
             raise RequestError(grpc.StatusCode.NOT_FOUND, str(exc), "VERSION_NOT_FOUND", "model_version") from exc
-        finally:  # Ray's Gauge.set costs more than the rest of a small request's work on the loop: only on change
+        finally:  # on every request, on the event loop: Ray's Gauge.set only when the value changes
             stale = self.registry.staleness_s()
             if stale != self._stale_shown:
                 self._staleness.set(stale)
@@ -320,7 +320,7 @@ class Encoder:
         return images
 
     # Two batches at once: while the model thread runs one, the next is already handed to that thread's queue, so
-    # the model goes from batch to batch without waiting for this event loop in between (on a GPU: never idles).
+    # the model goes from batch to batch without waiting for this event loop in between (a GPU does not idle there).
     # The single-thread executor still runs one model call at a time.
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005, max_concurrent_batches=2)
     async def _encode(self, requests: list[tuple[str, str, list]]) -> list[np.ndarray]:
