@@ -1,6 +1,7 @@
 """`clipstream bench grpc-encode`: the report, verdict and plot from hand-made numbers, and the measuring helpers."""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -120,6 +121,10 @@ def test_one_client_runs_both_sides_against_the_served_app(served):
     from clipstream.registry import Registry
 
     settings, _, _, (v1, _) = served
-    single = bench.one_client(Registry(settings).load(v1), f"127.0.0.1:{settings.grpc_port}", 40, 8, 2, 3)
+    # on a thread of its own: asyncio.run leaves its thread with no event loop set, which later tests that build a
+    # gRPC aio server on the main thread (tests/services/test_app.py) would inherit
+    with ThreadPoolExecutor(1) as pool:
+        single = pool.submit(bench.one_client, Registry(settings).load(v1), f"127.0.0.1:{settings.grpc_port}",
+                             40, 8, 2, 3).result()
     assert single["captions"] == 40 and single["batch"] == 8 and single["in_flight"] == 2
     assert all(len(r) == 3 and min(r) > 0 for r in single["rates"].values())
