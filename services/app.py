@@ -12,7 +12,7 @@ from ray.serve.config import gRPCOptions
 from ray.serve.generated import serve_pb2, serve_pb2_grpc
 
 from clipstream.services import binding, client
-from clipstream.services.encoder import Encoder
+from clipstream.services.encoder import BATCHES_AT_ONCE, MAX_ONGOING, Encoder
 from clipstream.services.search import Search
 from clipstream.settings import Settings, configure_process
 
@@ -50,6 +50,7 @@ def build(settings) -> serve.Application:
     Only the Encoder asks for GPUs: Search holds no model (it encodes queries through the Encoder)."""
     search = Search.options(ray_actor_options={"num_cpus": settings.serve_search_cpus}).bind(settings)
     return Encoder.options(num_replicas=settings.serve_replicas,
+                           max_ongoing_requests=max(MAX_ONGOING, BATCHES_AT_ONCE * settings.serve_batch_size),
                            ray_actor_options={"num_cpus": settings.serve_encoder_cpus,
                                               "num_gpus": settings.serve_encoder_gpus}).bind(search, settings)
 

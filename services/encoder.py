@@ -106,9 +106,16 @@ def _unexpected(exc: Exception) -> RequestError:
                         "details; please report it", "INTERNAL_ERROR", metadata={"incident": incident})
 
 
+MAX_ONGOING = 128  # requests a replica holds at once, at the least (app.build: room for BATCHES_AT_ONCE full batches)
+# Batches at once: while the model thread runs one, the next is already handed to that thread's queue, so the model
+# goes from batch to batch without waiting for the event loop in between (a GPU does not idle there). The
+# single-thread executor still runs one model call at a time.
+BATCHES_AT_ONCE = 2
+
+
 # A replica that dies is noticed by Serve's health check, and only then do routers stop sending it requests
 # (each fails meanwhile, UNAVAILABLE: retried by the client): every 2 s, not Serve's default 10.
-@serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=128, health_check_period_s=2.0)
+@serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=MAX_ONGOING, health_check_period_s=2.0)
 class Encoder:
     """Limits (settings.serve_max_*) refuse a request with a message naming the limit and how to stay under it."""
 
@@ -216,7 +223,8 @@ class Encoder:
         return list(self.batches_seen)
 
     async def most_batches_handed(self) -> int:
-        """The most batches this replica has had handed to its model thread at once (2: the next one waited there)."""
+        """The most batches this replica has had handed to its model thread at once (BATCHES_AT_ONCE: the next one
+        waited there)."""
         return self.most_handed
 
     async def loaded(self) -> list[str]:
@@ -319,10 +327,7 @@ class Encoder:
                                    "IMAGE_NOT_DECODABLE", f"images[{i}]") from exc
         return images
 
-    # Two batches at once: while the model thread runs one, the next is already handed to that thread's queue, so
-    # the model goes from batch to batch without waiting for this event loop in between (a GPU does not idle there).
-    # The single-thread executor still runs one model call at a time.
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005, max_concurrent_batches=2)
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005, max_concurrent_batches=BATCHES_AT_ONCE)
     async def _encode(self, requests: list[tuple[str, str, list]]) -> list[np.ndarray]:
         self.batches_seen = (self.batches_seen + [len(requests)])[-1000:]
         bundles = {version: await self.model(version) for version in dict.fromkeys(r[0] for r in requests)}

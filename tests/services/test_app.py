@@ -23,6 +23,15 @@ def test_the_import_path_builds_the_app_from_the_environment(settings, monkeypat
     assert build_from_config(import_attr(IMPORT_PATH), {"serve_replicas": 2})._bound_deployment.num_replicas == 2
 
 
+def test_a_replica_has_room_for_two_full_batches(settings):
+    """The Encoder hands the next batch to its model thread while one runs: a replica takes requests enough for both
+    (Serve warns, and the batches stay short, when max_ongoing_requests is under max_batch_size × batches at once)."""
+    def most(batch: int) -> int:
+        return build_from_config(import_attr(IMPORT_PATH), {"serve_batch_size": batch})._bound_deployment.max_ongoing_requests
+
+    assert (most(32), most(100)) == (128, 200)
+
+
 def test_the_charts_args_override_the_pods_settings(settings, monkeypatch):
     """A RayService's serveConfigV2 carries the serving settings as args: they win over the ConfigMap's variables
     the pods started with (an older release's), so a changed setting needs no new pods."""
