@@ -62,9 +62,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
              *report.table(["command", "median s", "slowest s"],
                            [[name, f"{medians[name]:.2f}", f"{max(times[name]):.2f}"] for name in COMMANDS]),
              "", *report.targets(args.out, checks)]
-    text = report.write(args.out, lines)
-    print(text)
-    return text
+    return report.shown(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -157,9 +157,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
                               [[pairs, job["first_step_s"], f"{job['check_hash_s']:.2f}", job["wall_s"], job["steps"]]
                                for pairs, job in jobs.items()])] if jobs else []),
              "", *report.targets(args.out, checks)]
-    text = report.write(args.out, lines)
-    print(text)
-    return text
+    return report.shown(args.out, lines)
 
 
 if __name__ == "__main__":

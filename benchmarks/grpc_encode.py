@@ -220,8 +220,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     from ray import serve
 
     from clipstream.registry import Registry
-    from clipstream.runtime import free_port, init_ray
-    from clipstream.services import app, binding
+    from clipstream.runtime import free_port
+    from clipstream.services import app
     from clipstream.services.client import Client
 
     wall = time.perf_counter()
@@ -236,14 +236,12 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
         version = register(settings, args.arch)
         bundle = Registry(settings).load(version)
         work = {m: {c: workload(m, max(args.requests, 2 * c), args.per_request) for c in levels} for m in modalities}
-        app.serving_environment()
         os.environ.setdefault(WORKER_NICENESS, "0")  # the replica and proxy at this process's priority (see the doc)
-        init_ray(settings, num_cpus=cpus, setup_hook=binding.install)
         try:
             for side in ("grpc", "grpc-b1") if args.batching_baseline else ("grpc",):
                 served = settings if side == "grpc" else settings.model_copy(update={"serve_batch_size": 1})
-                target = app.start(served)
-                handle = serve.get_deployment_handle("Encoder", app.APP)
+                target = app.serve(served, num_cpus=cpus)  # (Ray started by the first side, reused by the second)
+                handle = serve.get_deployment_handle("Encoder", served.serve_app)
                 with Client(target, timeout_s=300) as client:
                     for m in modalities:
                         for c in levels:
@@ -264,7 +262,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
                     if side == "grpc" and args.one_client:
                         single = one_client(bundle, target, args.one_client, args.one_client_batch, 8,
                                             args.one_client_rounds)
-                serve.delete(app.APP)
+                serve.delete(served.serve_app)
         finally:
             serve.shutdown()
     seconds = time.perf_counter() - wall

@@ -271,7 +271,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     lines, ratio = section(times, names, args.steps, args.rounds)
     checks = [report.check(f"{name} step ×finetune", ratio[name], at_most=TARGETS[name], why=WHY.get(name, ""))
               for name in names if name in TARGETS]
-    text = report.write(args.out, [
+    return report.shown(args.out, [
         "# Training step per method, side by side",
         "",
         f"Reproduce: `clipstream bench method-step --methods {args.methods} --steps {args.steps} "
@@ -294,8 +294,6 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
            f"set for `{arch}`.", "",
            *section(extra_times, extra, args.extra_steps, 1)[0]] if extra else []),
         *report.targets(args.out, checks)])
-    print(text)
-    return text
 
 
 if __name__ == "__main__":

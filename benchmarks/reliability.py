@@ -115,8 +115,9 @@ def drive(client_factory: Callable[[], Client], texts: Sequence[str], images: Se
                                "p99": 1000 * float(np.percentile(v, 99))} for k, v in sorted(latency.items())}}
 
 
-def kill_replica(app: str = "clipstream", deployment: str = "Encoder") -> str:
-    """SIGKILL one replica of `deployment` (Ray kills its worker process; Serve starts a replacement)."""
+def kill_replica(app: str, deployment: str = "Encoder") -> str:
+    """SIGKILL one replica of `deployment` in application `app` (Ray kills its worker process; Serve starts a
+    replacement)."""
     import ray
 
     names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -194,8 +195,8 @@ def measure(clients: int, seconds: float, replicas: int) -> dict:
     from ray import serve
 
     from clipstream.promotion import promote
-    from clipstream.runtime import free_port, init_ray
-    from clipstream.services import app, binding
+    from clipstream.runtime import free_port
+    from clipstream.services import app
     from clipstream.settings import Settings
     from clipstream.training.data.synth import synthesize
     from clipstream.training.data.task import Task
@@ -209,9 +210,7 @@ def measure(clients: int, seconds: float, replicas: int) -> dict:
         v1 = register_untrained(settings, 1, dirs[:1])
         v2 = register_untrained(settings, 2, dirs, parent=v1)
         promote(settings, v1)
-        app.serving_environment()
-        init_ray(settings, setup_hook=binding.install)
-        app.start(settings)
+        app.serve(settings)
         try:
             rows = [r for d in dirs for r in Task.load(d).check("test").rows]
             texts = [r["caption"] for r in rows]
@@ -221,7 +220,7 @@ def measure(clients: int, seconds: float, replicas: int) -> dict:
             faults = drive(factory, texts, images, clients=clients, seconds=seconds, events=[
                 (seconds * 0.1, f"promote v{v2} (reindex: new generation, then the switch)",
                  lambda: f"production v{promote(settings, v2)['to_version']}"),
-                (seconds * 0.5, "SIGKILL an Encoder replica", kill_replica)])
+                (seconds * 0.5, "SIGKILL an Encoder replica", lambda: kill_replica(settings.serve_app))])
         finally:
             serve.shutdown()
     return {"steady": steady, "faults": faults}

@@ -51,6 +51,13 @@ def write(out: str | Path, lines: Sequence[str]) -> str:
     return text
 
 
+def shown(out: str | Path, lines: Sequence[str]) -> str:
+    """`write`, and the text printed: what a benchmark run from the command line ends with."""
+    text = write(out, lines)
+    print(text)
+    return text
+
+
 def save_figure(fig, path: str | Path) -> Path:
     """A results plot (a bare matplotlib Figure: no pyplot state, works headless) saved as PNG; its path."""
     fig.tight_layout()

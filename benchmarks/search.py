@@ -223,18 +223,15 @@ def rpc(settings, version: str, n: int, tasks: int, count: int) -> dict:
     under `settings` (n vectors over `tasks` tasks, pinned to `version`)."""
     from ray import serve
 
-    from clipstream.runtime import init_ray
-    from clipstream.services import app, binding
+    from clipstream.services import app
     from clipstream.services.client import Client
 
     words = "a small large red blue green striped dotted cup lamp chair bird on the left right top".split()
     rng = np.random.default_rng(2)
     texts = [" ".join(rng.choice(words, 6)) for _ in range(count)]
-    app.serving_environment()
-    init_ray(settings, num_cpus=os.cpu_count(), setup_hook=binding.install)
     out = {"n": n}
     try:
-        target = app.start(settings, timeout_s=180)
+        target = app.serve(settings, timeout_s=180)
         with Client(target, timeout_s=60) as client:
             for mode in MODES:
                 task = lambda i: f"t{i % tasks:02d}" if mode == "known" else ""  # noqa: E731

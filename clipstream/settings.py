@@ -30,6 +30,9 @@ NO_REINDEX: Policy = "no-reindex"
 REINDEX: Policy = "reindex"
 POLICIES: tuple[Policy, ...] = (NO_REINDEX, REINDEX)
 Precision = Literal["auto", "fp32", "bf16", "fp16"]  # (clipstream.models.placement reads it)
+# Settings.serve_app: a Ray Serve application name that is also a route prefix as it stands (/NAME), and a safe part
+# of the names Serve gives its actors (SERVE_REPLICA::APP#DEPLOYMENT#ID)
+APP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 
 
 # What MLflow reads from the environment, set by `configure_process`
@@ -115,6 +118,9 @@ class Settings(BaseSettings):
     index_compact_segments: int = Field(4, ge=0, description="when no-reindex appends leave more segments per "
                                         "modality than this, the indexing job merges them into one (a task-unknown "
                                         "search reads each: `clipstream compact`); 0: never")
+    serve_app: str = Field("clipstream", description="the Ray Serve application `clipstream serve` deploys, "
+                           "and the one clients name (gRPC metadata `application`) when several share the proxy; "
+                           "its route prefix is /NAME")
     serve_replicas: int = Field(1, ge=1, description="Encoder replicas")
     serve_encoder_cpus: float = Field(0.5, ge=0, description="CPUs each Encoder replica reserves (0 shares the cores)")
     serve_encoder_gpus: float = Field(0, ge=0, description="GPUs each Encoder replica asks Ray for (0: the CPU); a "
@@ -145,6 +151,14 @@ class Settings(BaseSettings):
     @classmethod
     def _path_or_uri(cls, value):
         return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    @field_validator("serve_app")
+    @classmethod
+    def _app_name(cls, value: str) -> str:
+        if not APP_NAME.fullmatch(value):
+            raise ValueError(f"{value!r}: name the application with letters, digits, '-' and '_' (up to 63, starting "
+                             "with a letter or digit); it is also its route prefix, /NAME")
+        return value
 
     @model_validator(mode="after")
     def _resolve_defaults(self) -> "Settings":

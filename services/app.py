@@ -7,16 +7,17 @@ import os
 import time
 
 import grpc
-from ray import serve
+from ray import serve as ray_serve
 from ray.serve.config import gRPCOptions
 from ray.serve.generated import serve_pb2, serve_pb2_grpc
 
+from clipstream import runtime
 from clipstream.services import binding, client
 from clipstream.services.encoder import BATCHES_AT_ONCE, MAX_ONGOING, Encoder
 from clipstream.services.search import Search
 from clipstream.settings import Settings, configure_process
 
-APP = "clipstream"
+APP = "clipstream"  # Settings.serve_app's default, and the name the chart's serveConfigV2 gives the application
 # the first one is not a service: it makes the proxy say UNAVAILABLE for a dead replica (services/binding.py)
 GRPC_SERVICERS = ["clipstream.services.binding.retry_dead_replicas",
                   "clipstream.v1.encoder_pb2_grpc.add_EncoderServiceServicer_to_server",
@@ -45,7 +46,7 @@ def serving_environment() -> None:
         os.environ.setdefault(key, value)
 
 
-def build(settings) -> serve.Application:
+def build(settings) -> ray_serve.Application:
     """Replicas, reserved CPUs and GPUs, batch size, model cache and request limits all come from settings.serve_*.
     Only the Encoder asks for GPUs: Search holds no model (it encodes queries through the Encoder)."""
     search = Search.options(ray_actor_options={"num_cpus": settings.serve_search_cpus}).bind(settings)
@@ -55,7 +56,7 @@ def build(settings) -> serve.Application:
                                               "num_gpus": settings.serve_encoder_gpus}).bind(search, settings)
 
 
-def app(args: dict) -> serve.Application:
+def app(args: dict) -> ray_serve.Application:
     """The application by import path, `clipstream.services.app:app`, for `serve deploy`/`serve run` and a
     RayService's serveConfigV2: an application builder (Serve calls it with the config's `args`), so Settings
     are read from the replicas' environment (`CLIPSTREAM_*`) when the config is applied, not at import;
@@ -63,34 +64,48 @@ def app(args: dict) -> serve.Application:
     return build(Settings(**(args or {})))
 
 
-def start(settings, timeout_s: float = 60.0) -> str:
-    """Start Serve's gRPC proxy on settings.grpc_host:grpc_port (TLS when a certificate is configured) and deploy
-    the application; returns the address clients dial once the proxy routes to it."""
+def ray_for_serving(settings, *, num_cpus: int | None = None) -> None:
+    """Ray ready to serve as `clipstream serve` serves, nothing deployed yet (training may share it first): the
+    listening settings checked (a refusal before Ray starts costs nothing), SERVE_ENV in the environment, and a local
+    Ray started with the setup hook that binds Serve's gRPC proxy as the settings say (binding.install), of
+    `num_cpus` (default all); nothing more when Ray is already up in this process, or joined at settings.ray_address."""
     binding.check(settings)
+    serving_environment()
+    runtime.init_ray(settings, num_cpus=num_cpus, setup_hook=binding.install)
+
+
+def serve(settings, *, num_cpus: int | None = None, timeout_s: float = 60.0) -> str:
+    """Serve as `clipstream serve` does (the demo, the benchmarks and the tests start it so too): Ray ready to serve
+    (`ray_for_serving`), Serve's gRPC proxy started on settings.grpc_host:grpc_port (TLS when a certificate is
+    configured) and the application deployed as settings.serve_app; returns the address clients dial once the proxy
+    routes to it. On a Serve already running the application goes beside the others, on the proxy's port and with
+    its host and TLS (other ones are a BindingError)."""
+    ray_for_serving(settings, num_cpus=num_cpus)
     binding.publish(settings)
-    serve.start(grpc_options=gRPCOptions(port=settings.grpc_port, grpc_servicer_functions=GRPC_SERVICERS,
-                                         enable_reflection=True))
-    serve.run(build(settings), name=APP, route_prefix=f"/{APP}")
+    ray_serve.start(grpc_options=gRPCOptions(port=settings.grpc_port, grpc_servicer_functions=GRPC_SERVICERS,
+                                             enable_reflection=True))
+    ray_serve.run(build(settings), name=settings.serve_app, route_prefix=f"/{settings.serve_app}")
     binding.confirm(settings)
-    host = settings.grpc_host if not settings.grpc_host.strip("[]") in ("0.0.0.0", "::") else "127.0.0.1"
+    host = settings.grpc_host if settings.grpc_host.strip("[]") not in ("0.0.0.0", "::") else "127.0.0.1"
     target = binding.address(host, settings.grpc_port)
-    wait_routed(client.channel(target, tls=settings.tls, ca_file=settings.tls_ca_file or settings.tls_cert_file), timeout_s)
+    wait_routed(client.channel(target, tls=settings.tls, ca_file=settings.tls_ca_file or settings.tls_cert_file),
+                timeout_s, settings.serve_app)
     return target
 
 
-def wait_routed(channel: grpc.Channel, timeout_s: float = 60.0) -> None:
-    """Return once the Serve gRPC proxy behind `channel` routes to the application: the proxy learns new
+def wait_routed(channel: grpc.Channel, timeout_s: float = 60.0, application: str = APP) -> None:
+    """Return once the Serve gRPC proxy behind `channel` routes to `application`: the proxy learns new
     applications asynchronously after a deploy (`serve.run`, `serve deploy`, a RayService update)."""
     with channel:
         ask = serve_pb2_grpc.RayServeAPIServiceStub(channel).ListApplications
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                if APP in ask(serve_pb2.ListApplicationsRequest(), timeout=timeout_s).application_names:
+                if application in ask(serve_pb2.ListApplicationsRequest(), timeout=timeout_s).application_names:
                     return
             except grpc.RpcError as exc:  # UNAVAILABLE "Route table is not populated yet." or no proxy yet
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the gRPC proxy did not route to {APP!r} in {timeout_s:g} s")
+                raise TimeoutError(f"the gRPC proxy did not route to {application!r} in {timeout_s:g} s")
             time.sleep(0.2)

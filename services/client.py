@@ -28,17 +28,24 @@ from clipstream.v1 import (
 )
 
 API_KEY_HEADER = "x-api-key"  # the metadata key the server checks when Settings.api_key is set
+# the metadata key Ray Serve's gRPC proxy routes a call by when several applications share it (Settings.serve_app)
+APPLICATION_HEADER = "application"
+BACKOFF_S = (1.0, 5.0)  # the retry policy's first and longest wait (service_config)
 MAX_REQUEST_BYTES = 64 << 20  # the server's cap on one request message (services/app.py SERVE_ENV)
 SERVICES = ("clipstream.v1.EncoderService", "clipstream.v1.SearchService", "clipstream.v1.AdminService", "grpc.health.v1.Health")
 
 
-def service_config(retries: int) -> str:
+def service_config(retries: int, backoff_s: tuple[float, float] = BACKOFF_S) -> str:
     """gRPC's retry policy for every clipstream RPC: UNAVAILABLE (the proxy starting, a replica being replaced)
     is retried with exponential backoff, up to `retries` times (gRPC caps attempts at 5); nothing else is, but
     ABORTED for a catalogue's writes (a promotion re-embedded the catalogue while the request was embedded: sent
-    again, it is embedded by the new version; the writes are idempotent). Waits are random up to 1, 2, 4, 5 s: ~6 s
-    in all on average, longer than Serve takes to stop routing to a dead replica (its health check, every 2 s)."""
-    policy = {"maxAttempts": min(retries, 4) + 1, "initialBackoff": "1s", "maxBackoff": "5s",
+    again, it is embedded by the new version; the writes are idempotent). Waits are random up to 1, 2, 4, 5 s
+    (`backoff_s`, the first and the longest): ~6 s in all on average, longer than Serve takes to stop routing to a
+    dead replica (its health check, every 2 s)."""
+    first, longest = backoff_s
+    if not 0 < first <= longest:
+        raise ValueError(f"backoff_s={backoff_s!r}: give (first, longest) wait in seconds, 0 < first <= longest")
+    policy = {"maxAttempts": min(retries, 4) + 1, "initialBackoff": f"{first:.9f}s", "maxBackoff": f"{longest:.9f}s",
               "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}
     writes = {**policy, "retryableStatusCodes": ["UNAVAILABLE", "ABORTED"]}
     return json.dumps({"methodConfig": [
@@ -48,15 +55,51 @@ def service_config(retries: int) -> str:
 
 
 def channel(address: str, *, tls: bool = False, ca_file: Optional[str | Path] = None, retries: int = 4,
-            aio: bool = False):
+            aio: bool = False, application: str | None = None, backoff_s: tuple[float, float] = BACKOFF_S):
     """A channel to a clipstream server (grpc.aio's with `aio`): TLS verified against `ca_file` (PEM; default the
-    system roots) when `tls`."""
-    options = [("grpc.service_config", service_config(retries)), ("grpc.enable_retries", int(retries > 0))]
-    kind = grpc.aio if aio else grpc
-    if not tls:
-        return kind.insecure_channel(address, options=options)
-    roots = Path(ca_file).read_bytes() if ca_file else None
-    return kind.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=roots), options=options)
+    system roots) when `tls`; every call on it names `application` (Settings.serve_app) when given, which the server
+    needs when several applications share its proxy (without it the proxy answers NOT_FOUND there, and health speaks
+    for its default application)."""
+    options = [("grpc.service_config", service_config(retries, backoff_s)), ("grpc.enable_retries", int(retries > 0))]
+    credentials = grpc.ssl_channel_credentials(Path(ca_file).read_bytes() if ca_file else None) if tls else None
+    if aio:
+        interceptors = [_AsyncApplication(application)] if application else None
+        if tls:
+            return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    made = (grpc.secure_channel(address, credentials, options=options) if tls
+            else grpc.insecure_channel(address, options=options))
+    return grpc.intercept_channel(made, _Application(application)) if application else made
+
+
+def _with_application(details, application: str):
+    return details._replace(metadata=(*(details.metadata or ()), (APPLICATION_HEADER, application)))
+
+
+class _Application(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Names the application in every call's metadata (the retry policy, in the channel below, sends it again)."""
+
+    def __init__(self, application: str):
+        self.application = application
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(_with_application(details, self.application), request)
+
+    intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = intercept_unary_unary
+
+
+class _AsyncApplication(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
+                        grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+    """_Application for grpc.aio."""
+
+    def __init__(self, application: str):
+        self.application = application
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(_with_application(details, self.application), request)
+
+    intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = intercept_unary_unary
 
 
 class RpcError(grpc.RpcError):
@@ -154,10 +197,11 @@ class _Calls:
     """What both clients share: the address, the stubs on a channel, the request messages and the answers' shapes."""
 
     def __init__(self, address: str, api_key: Optional[str], timeout_s: float, retries: int, tls: bool,
-                 ca_file: Optional[str | Path], aio: bool):
+                 ca_file: Optional[str | Path], aio: bool, application: str | None, backoff_s: tuple[float, float]):
         address, uri_tls = parse_address(address)
         self.address = address
-        self.channel = channel(address, tls=tls or uri_tls, ca_file=ca_file, retries=retries, aio=aio)
+        self.channel = channel(address, tls=tls or uri_tls, ca_file=ca_file, retries=retries, aio=aio,
+                               application=application, backoff_s=backoff_s)
         self.encoder = encoder_pb2_grpc.EncoderServiceStub(self.channel)
         self.searcher = search_pb2_grpc.SearchServiceStub(self.channel)
         self.admin = admin_pb2_grpc.AdminServiceStub(self.channel)
@@ -168,12 +212,14 @@ class _Calls:
     @classmethod
     def from_env(cls, **options):
         """A client configured as this machine's settings say (CLIPSTREAM_* variables, the settings file): the
-        server at Settings `server` (default grpc://127.0.0.1:<grpc_port>), its API key, TLS roots."""
+        server at Settings `server` (default grpc://127.0.0.1:<grpc_port>), its API key, TLS roots, the application
+        (`serve_app`)."""
         from clipstream.settings import Settings
 
         settings = Settings()
         return cls(settings.server or f"grpc://127.0.0.1:{settings.grpc_port}", api_key=settings.secret("api_key"),
-                   tls=settings.tls, ca_file=settings.tls_ca_file or settings.tls_cert_file, **options)
+                   tls=settings.tls, ca_file=settings.tls_ca_file or settings.tls_cert_file,
+                   application=settings.serve_app, **options)
 
     @staticmethod
     def _text_request(chunk: list, model_version: str, language: str):
@@ -285,11 +331,14 @@ class _Calls:
 
 class Client(_Calls):
     """The clipstream services from Python: `Client("grpc://HOST:PORT")` (grpcs:// speaks TLS), or
-    `Client.from_env()`. A failed call raises the typed exception of its status (`RpcError` and subclasses)."""
+    `Client.from_env()`. A failed call raises the typed exception of its status (`RpcError` and subclasses).
+    `application`: the Serve application to call where several share the server's proxy (Settings.serve_app);
+    `backoff_s`: the retry policy's first and longest wait (service_config)."""
 
     def __init__(self, address: str = "127.0.0.1:9000", *, api_key: Optional[str] = None, timeout_s: float = 30.0,
-                 retries: int = 4, tls: bool = False, ca_file: Optional[str | Path] = None):
-        super().__init__(address, api_key, timeout_s, retries, tls, ca_file, aio=False)
+                 retries: int = 4, tls: bool = False, ca_file: Optional[str | Path] = None,
+                 application: str | None = None, backoff_s: tuple[float, float] = BACKOFF_S):
+        super().__init__(address, api_key, timeout_s, retries, tls, ca_file, False, application, backoff_s)
 
     def encode_text(self, texts: Sequence[str], batch_size: int = 64, model_version: str = "",
                     progress: Optional[bool] = None, language: str = "") -> tuple[np.ndarray, str]:
@@ -391,10 +440,11 @@ class AsyncClient(_Calls):
     on the wire at once (the server batches them together), their vectors put back in order."""
 
     def __init__(self, address: str = "127.0.0.1:9000", *, api_key: Optional[str] = None, timeout_s: float = 30.0,
-                 retries: int = 4, tls: bool = False, ca_file: Optional[str | Path] = None, in_flight: int = 8):
+                 retries: int = 4, tls: bool = False, ca_file: Optional[str | Path] = None, in_flight: int = 8,
+                 application: str | None = None, backoff_s: tuple[float, float] = BACKOFF_S):
         if in_flight < 1:
             raise ValueError(f"in_flight must be >= 1, got {in_flight}")
-        super().__init__(address, api_key, timeout_s, retries, tls, ca_file, aio=True)
+        super().__init__(address, api_key, timeout_s, retries, tls, ca_file, True, application, backoff_s)
         self.in_flight = in_flight
 
     async def encode_text(self, texts: Sequence[str], batch_size: int = 64, model_version: str = "",

@@ -2,6 +2,7 @@
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,20 +18,32 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-exte
 def ray_cluster():
     import ray
 
-    from clipstream.runtime import init_ray
-    from clipstream.services import binding
-    from clipstream.services.app import serving_environment
+    from clipstream.services.app import ray_for_serving
     from clipstream.settings import Settings
 
-    serving_environment()  # the tests serve with the settings `clipstream serve` uses
-    init_ray(Settings(ray_address=None), num_cpus=2, setup_hook=binding.install)
+    ray_for_serving(Settings(ray_address=None), num_cpus=2)  # as `clipstream serve` starts it: the tests serve on it
     yield ray
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def empty_registry(tmp_path_factory) -> Path:
+    """MLflow's SQLite store with its schema made and nothing in it: what the first command in a new home makes
+    (its migrations take ~1 s), made once and copied into each test's home."""
+    from clipstream.registry import Registry
+    from clipstream.settings import Settings
+
+    settings = Settings(home=tmp_path_factory.mktemp("empty-registry") / "home").ensure_dirs()
+    assert Registry(settings).versions() == []
+    return settings.home / "mlflow.db"
+
+
 @pytest.fixture
-def settings(tmp_path, monkeypatch):
-    """Settings whose every embedded default lives under this test's tmp_path."""
+def settings(tmp_path, monkeypatch, empty_registry):
+    """Settings whose every embedded default lives under this test's tmp_path (the registry's store a copy of the
+    session's empty one)."""
+    import shutil
+
     from clipstream.settings import Settings
 
     monkeypatch.chdir(tmp_path)
@@ -38,7 +51,9 @@ def settings(tmp_path, monkeypatch):
         if name.startswith("CLIPSTREAM_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("CLIPSTREAM_HOME", str(tmp_path / "home"))
-    return Settings().ensure_dirs()
+    settings = Settings().ensure_dirs()
+    shutil.copyfile(empty_registry, settings.home / empty_registry.name)
+    return settings
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +73,9 @@ def stream(tmp_path_factory):
 TIERS = ("component", "e2e", "slow")
 # fixture -> the tiers a test that uses it (directly or through another fixture) may be in
 COSTLY = {"ray_cluster": TIERS, "served": TIERS, "indexed": TIERS, "cli_process": TIERS, "two_tasks": ("e2e", "slow"),
-          "trained_stream": ("slow",), "cluster_session": ("slow",)}
+          "trained_stream": ("slow",), "cluster_session": ("slow",),
+          # what the Kubernetes and packaging tests share: helm / kubectl renders, checkov's findings, built wheels
+          **dict.fromkeys(("renders", "chart", "overlays", "findings", "wheel", "client_wheel"), TIERS)}
 
 
 def tier_problem(name: str, fixtures, markers) -> str | None:
@@ -66,10 +83,12 @@ def tier_problem(name: str, fixtures, markers) -> str | None:
     tiers = [m for m in TIERS if m in markers]
     if len(tiers) > 1:
         return f"{name} carries several tier markers {tiers}: one only"
+    if tiers == ["e2e"] and "two_tasks" not in fixtures:
+        return f"{name} is marked e2e without using `two_tasks`: the e2e tier is the one trained world's checks"
     for fixture in (f for f in COSTLY if f in fixtures):
         if not tiers:
-            return (f"{name} uses `{fixture}` (Ray, Serve, a training job, a cluster or a CLI process) without a tier "
-                    f"marker: add @pytest.mark.{' / '.join(COSTLY[fixture])} (tests/conftest.py TIERS)")
+            return (f"{name} uses `{fixture}` (Ray, Serve, a training job, a cluster or a costly process) without a "
+                    f"tier marker: add @pytest.mark.{' / '.join(COSTLY[fixture])} (tests/conftest.py TIERS)")
         if tiers[0] not in COSTLY[fixture]:
             return f"{name} uses `{fixture}`, which belongs to tier {' / '.join(COSTLY[fixture])}, not {tiers[0]}"
     return None
@@ -110,10 +129,7 @@ def pytest_collection_modifyitems(session, config, items):
     config.stash[_BACKGROUND] = background
 
     def waits(item) -> float:
-        # the end-to-end path after every test that uses the shared served app (its last test replaces that app,
-        # and promotes the stream the other e2e tests check as trained)
-        return (3 if item.get_closest_marker("cluster") else 2 if item.get_closest_marker("stream")
-                else 1.5 if item.path.name == "test_end_to_end.py" else 1 if item.get_closest_marker("e2e") else 0)
+        return 3 if item.get_closest_marker("cluster") else 2 if item.get_closest_marker("stream") else 0
     items.sort(key=waits)  # stable: the order within each group is kept
 
 
@@ -171,19 +187,43 @@ DETERMINISTIC = [*FAST, "train.deterministic=true"]
 
 @pytest.fixture(scope="session")
 def two_tasks(ray_cluster, stream, tmp_path_factory):
-    """The quick tier's one trained stream, trained once per session as Ray Train jobs on 2 DeepSpeed workers:
-    version 1 (finetune, deterministic, with the held-out zero-shot task) and version 2 (joint, its child, found
-    through the alias the first set, as `clipstream k8s stream` chains its jobs)."""
+    """The quick tier's one trained world, made once per session, runs_dir a file:// URI: a checkpoint in open_clip's
+    trainer format registered as version 1 with `clipstream register --from` (a version 0: untrained, its row 0 on
+    both tasks and the held-out zero-shot task, alias `start`), then two Ray Train jobs on 2 DeepSpeed workers on top
+    of it: version 2 (finetune, deterministic, parent `start`) and version 3 (joint at ZeRO 3, its child, found
+    through the alias the first set, as `clipstream k8s stream` chains its jobs). Returns (settings, version 0 as the
+    registry resolves it, first, second), shared read-only."""
+    import torch
+
+    from clipstream import models
+    from clipstream.cli import main
+    from clipstream.registry import Registry
     from clipstream.settings import Settings
     from clipstream.training.data.synth import held_out_task
     from clipstream.training.job import run_task
 
-    settings = Settings(home=tmp_path_factory.mktemp("two-tasks") / "home").ensure_dirs()
-    first = run_task(stream[0], "finetune", None, workers=2, overrides=DETERMINISTIC, settings=settings,
-                     aliases=["s1-1"], zero_shot=[held_out_task(stream[0].parent)])
-    second = run_task(stream[1], "joint", "models:/clipstream@s1-1", workers=2, overrides=FAST, settings=settings,
-                      wait_parent_s=60)
-    return settings, first, second
+    root = tmp_path_factory.mktemp("two-tasks")
+    # runs_dir a URI (a real file:// filesystem through fsspec and pyarrow, as s3:// goes): the parents reach the
+    # workers and the checkpoints go through it
+    settings = Settings(home=root / "home", runs_dir=(root / "store").as_uri()).ensure_dirs()
+    torch.manual_seed(7)
+    checkpoint = root / "epoch_32.pt"  # as open_clip's trainer saves it (the DDP-wrapped model's state)
+    torch.save({"epoch": 32, "state_dict": {f"module.{k}": v for k, v in
+                                            models.create("clipstream-vit-tiny").model.state_dict().items()}},
+               checkpoint)
+    with pytest.MonkeyPatch.context() as env:  # the command line reads the settings from the environment
+        env.chdir(root)  # (test_job checks that nothing was made beside home and store)
+        for name in [n for n in os.environ if n.startswith("CLIPSTREAM_")]:
+            env.delenv(name)
+        for name, value in settings.env().items():
+            env.setenv(name, value)
+        assert main(["register", "--from", f"clipstream-vit-tiny:{checkpoint}", "--evaluate", *map(str, stream),
+                     "--zero-shot", str(held_out_task(stream[0].parent)), "--alias", "start"]) == 0
+        first = run_task(stream[0], "finetune", "start", workers=2, overrides=DETERMINISTIC, settings=settings,
+                         aliases=["s1-1"])
+        second = run_task(stream[1], "joint", "models:/clipstream@s1-1", workers=2, settings=settings,
+                          wait_parent_s=60, overrides=[*FAST, "train.zero_stage=3"])  # (Ray Train's path at ZeRO 3)
+    return settings, Registry(settings).resolve("start"), first, second
 
 
 @pytest.fixture
@@ -200,17 +240,75 @@ def cli_process(tmp_path):
     return run
 
 
+# Programs whose start costs seconds (an interpreter importing the stack; the Kubernetes, lint and packaging tools):
+# a test that starts one, itself or through any helper, says its tier. Cheap programs libraries start on their own
+# (git for MLflow's source version, ldconfig for ctypes) do not count.
+COSTLY_PROGRAMS = ("python", "helm", "kubectl", "checkov", "buf", "npm", "pip", "docker", "ray")
+_started: list[str] = []  # what the running test started (reset by _tier_guard)
+
+
+def costly_program(argv) -> str | None:
+    """The name of the costly program a process's argv starts (a path's last part, `python3.11` as `python`), else
+    None."""
+    argv = [argv] if isinstance(argv, (str, bytes, os.PathLike)) else list(argv or [])
+    name = Path(os.fsdecode(argv[0])).name if argv else ""
+    return name if name.startswith(COSTLY_PROGRAMS) else None
+
+
+def _audit(event: str, args) -> None:
+    # (the main thread's only: what runs the test, not a thread an earlier test left behind)
+    if event == "subprocess.Popen" and threading.current_thread() is threading.main_thread():
+        name = costly_program(args[0] or args[1])  # (executable, args, cwd, env)
+        if name:
+            _started.append(name)
+
+
+def _spawned_interpreter(spawnv_passfds):
+    """multiprocessing's spawn start (a gloo group's processes) starts an interpreter without an audit event."""
+    def spawn(path, args, passfds):
+        if threading.current_thread() is threading.main_thread():
+            _started.append("python (multiprocessing)")
+        return spawnv_passfds(path, args, passfds)
+    spawn.recording = _started
+    return spawn
+
+
+import multiprocessing.util  # noqa: E402
+
+# Installed once: test modules import this file again as `tests.conftest` (pytest loads it as `conftest`), and that
+# copy must neither record twice nor keep a list of its own. An audit hook cannot be removed: it only appends a name.
+if not hasattr(multiprocessing.util.spawnv_passfds, "recording"):
+    sys.addaudithook(_audit)
+    multiprocessing.util.spawnv_passfds = _spawned_interpreter(multiprocessing.util.spawnv_passfds)
+
+
 @pytest.fixture(autouse=True)
 def _tier_guard(request):
-    """A test without a tier marker that starts Ray itself (not through a fixture the collection check sees) fails."""
-    import sys
-
+    """A test without a tier marker that starts Ray itself (not through a fixture the collection check sees), or a
+    costly process (COSTLY_PROGRAMS: a CLI process, a gloo group, a wheel build, helm, checkov), fails: the quick
+    tier's budget is kept by knowing what costs."""
+    started = multiprocessing.util.spawnv_passfds.recording  # (the list of the copy that installed the recording)
     ray = sys.modules.get("ray")
     before = bool(ray and ray.is_initialized())
-    yield
+    started.clear()
+    yield started
     ray = sys.modules.get("ray")
-    if not before and ray and ray.is_initialized() and not any(request.node.get_closest_marker(t) for t in TIERS):
-        pytest.fail(f"{request.node.nodeid} started Ray without a tier marker (tests/conftest.py TIERS)")
+    problem = guard_problem(request.node.nodeid, any(request.node.get_closest_marker(t) for t in TIERS),
+                            not before and bool(ray and ray.is_initialized()), started)
+    if problem:
+        pytest.fail(problem)
+
+
+def guard_problem(name: str, tiered: bool, started_ray: bool, started: list[str]) -> str | None:
+    """Why a test that ran so breaks the tier rules (None when it does not)."""
+    if tiered:
+        return None
+    if started_ray:
+        return f"{name} started Ray without a tier marker (tests/conftest.py TIERS)"
+    if started:
+        return (f"{name} started {', '.join(sorted(set(started)))} without a tier marker: add @pytest.mark.component "
+                "(or slow) (tests/conftest.py COSTLY_PROGRAMS)")
+    return None
 
 
 def register_version(settings, seed: int, alias: str | None = None, task_dirs=(), aa: float = 50.0,
@@ -297,7 +395,8 @@ def on_gloo(worker, world: int = 2, timeout_s: float = 600) -> dict:
 
 
 # ---- the served app: one real Ray Serve app on loopback gRPC for every test that calls it (session-wide, so
-# the services and reliability tests share it; tests/services/conftest.py orders the module that replaces it)
+# the services and reliability tests share it; a test that needs an app of its own deploys it beside this one,
+# tests/services/conftest.py `side_app`)
 @pytest.fixture(scope="session")
 def served(ray_cluster, tmp_path_factory):
     import grpc
@@ -316,7 +415,7 @@ def served(ray_cluster, tmp_path_factory):
                         index_fields={"brand": "keyword", "price": "float", "stock": "integer"}).ensure_dirs()
     v1 = register_version(settings, seed=1, alias="production")
     v2 = register_version(settings, seed=2)
-    app.start(settings)
+    app.serve(settings)
     channel = grpc.insecure_channel(f"127.0.0.1:{settings.grpc_port}")
     grpc.channel_ready_future(channel).result(timeout=60)
     yield settings, channel, encoder_pb2_grpc.EncoderServiceStub(channel), (v1, v2)

@@ -29,6 +29,7 @@ def wheel(tmp_path_factory) -> Path:
     return next(out.glob("clipstream_continual-*.whl"))
 
 
+@pytest.mark.component
 def test_the_wheel_has_clipstream_as_its_only_top_level_package(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
@@ -48,6 +49,7 @@ def test_the_wheel_has_clipstream_as_its_only_top_level_package(wheel):
     assert "clipstream = clipstream.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
+@pytest.mark.component
 def test_the_unpacked_wheel_imports_from_itself_and_puts_no_generic_package_on_the_path(wheel, tmp_path):
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
     probe = (
@@ -88,6 +90,7 @@ def client_wheel(tmp_path_factory) -> Path:
     return next(out.glob("clipstream_client-*.whl"))
 
 
+@pytest.mark.component
 def test_the_client_wheel_holds_the_client_and_the_stubs_alone(client_wheel):
     from email.parser import Parser
 
@@ -120,6 +123,7 @@ def installed_closure(names: set[str]) -> set[str]:
     return seen
 
 
+@pytest.mark.component
 def test_the_client_wheel_runs_with_its_declared_dependencies_alone(client_wheel, tmp_path):
     """As `pip install clipstream-client` leaves a fresh environment: the wheel and the installed closure of its
     Requires-Dist, nothing else (no torch, Ray, MLflow, DeepSpeed), where a client made from the environment calls a

@@ -20,14 +20,10 @@ def _demo(args) -> None:
     from clipstream.training.data.synth import held_out_task, synthesize
     from clipstream.training.job import run_task
 
-    if not args.no_serve:
-        from clipstream.runtime import init_ray
-        from clipstream.services import binding
-        from clipstream.services.app import serving_environment
+    if not args.no_serve:  # the Ray the training jobs then use, started as serving needs it (services/app.py)
+        from clipstream.services.app import ray_for_serving
 
-        serving_environment()  # before Ray starts: Serve reads it when its processes start
-        # the Ray the training jobs then use, with the setup hook that lets the Serve proxy bind as the settings say
-        init_ray(settings, setup_hook=binding.install)
+        ray_for_serving(settings)
     out = Path(args.out or settings.data_dir / f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"== synthesising {args.tasks} domain tasks + the digits task under {out}")
     dirs = synthesize(out, tasks=args.tasks, seed=args.seed)
@@ -58,10 +54,10 @@ def _demo_serve(settings: Settings, version: str, dirs: list[Path]) -> None:
           "(--force for the demo: a gate that fails is shown, not enforced)")
     print_promotion(promote(settings, version, force=True))
     print(f"\n== serve gRPC Encoder + Search on port {settings.grpc_port}")
-    app.start(settings)
+    target = app.serve(settings)
     first, last = (Task.load(d).check("test").rows[0] for d in (dirs[0], dirs[-1]))
     try:
-        with Client(f"127.0.0.1:{settings.grpc_port}") as client:
+        with Client(target) as client:
             for query, task in ((first["caption"], dirs[0].name), (first["caption"], None), (last["caption"], None)):
                 print()
                 print(format_hits(client.search(text=query, task=task or "", k=3), query, task))

@@ -13,15 +13,12 @@ from clipstream.settings import Settings
 
 
 def _serve(args) -> None:
-    from clipstream.runtime import init_ray, stop_on_sigterm
+    from clipstream.runtime import stop_on_sigterm
     from clipstream.services import app, binding
     from clipstream.services.health import SERVICES
 
     settings = Settings(**({"serve_replicas": args.replicas} if args.replicas else {}))
-    binding.check(settings)  # before Ray starts: a refusal costs nothing
-    app.serving_environment()
-    init_ray(settings, setup_hook=binding.install)  # (the hook binds the Serve proxy as the settings say)
-    app.start(settings)
+    app.serve(settings)
     if not args.no_follow:  # a production alias moved in MLflow gets its gallery, then serving switches
         import threading
 
@@ -30,8 +27,9 @@ def _serve(args) -> None:
         threading.Thread(target=follow_forever, args=(settings,), daemon=True, name="follow-production").start()
     stop_on_sigterm()  # a pod's stop: the same clean exit as Ctrl-C
     where = binding.address(settings.grpc_host, settings.grpc_port)
-    print(f"serving {', '.join(SERVICES)} on {where} ({'TLS' if settings.tls else 'plaintext'}; reflection and "
-          f"grpc.health.v1 on{'; API key required' if settings.secret('api_key') else ''}); Ctrl-C stops", flush=True)
+    print(f"serving {', '.join(SERVICES)} as application {settings.serve_app} on {where} "
+          f"({'TLS' if settings.tls else 'plaintext'}; reflection and grpc.health.v1 on"
+          f"{'; API key required' if settings.secret('api_key') else ''}); Ctrl-C stops", flush=True)
     try:
         while True:
             time.sleep(3600)
@@ -43,9 +41,10 @@ def _client(args, **options):
     from clipstream.services.client import Client
 
     settings = Settings()
+    # the application named in every call: the proxy routes by it where several share it (one alone takes any name)
     client = Client(args.address or settings.server or f"127.0.0.1:{settings.grpc_port}",
                     api_key=settings.secret("api_key"), tls=args.tls or settings.tls,
-                    ca_file=settings.tls_ca_file or settings.tls_cert_file, **options)
+                    ca_file=settings.tls_ca_file or settings.tls_cert_file, application=settings.serve_app, **options)
     args.address = client.address  # what the command's output names
     return client
 

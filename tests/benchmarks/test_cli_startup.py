@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from clipstream.benchmarks import cli_startup
 
 
+@pytest.mark.component
 def test_it_times_each_command_and_checks_the_one_second_target(tmp_path):
     out = tmp_path / "cli-startup.md"
     text = cli_startup.main(["--rounds", "1", "--out", str(out)])

@@ -25,6 +25,7 @@ def test_the_report_checks_lines_processes_and_that_the_searches_come_last(tmp_p
                         "ends with the searches (1 = yes)": False, "exit status": True}
 
 
+@pytest.mark.component
 def test_a_process_that_exits_on_its_own_soon_after_is_not_left_behind_one_that_stays_is():
     import os
     import subprocess
@@ -47,9 +48,10 @@ def test_a_process_that_exits_on_its_own_soon_after_is_not_left_behind_one_that_
 
 @pytest.mark.slow
 def test_the_demo_is_quiet_ends_with_its_searches_and_leaves_no_process(tmp_path):
-    """The first run a newcomer makes, shortened (one domain task + digits, one epoch): fewer than 80 lines on the
-    terminal, the searches last, every process it started gone (`clipstream bench first-run` times the full one)."""
-    result = bench.run_demo(1, tmp_path, ["--set", "train.epochs=1"])
+    """The first run a newcomer makes, shortened (one domain task + digits, one epoch of two steps): fewer than 80
+    lines on the terminal, the searches last, every process it started gone (`clipstream bench first-run` times the
+    full one)."""
+    result = bench.run_demo(1, tmp_path, ["--set", "train.epochs=1", "--set", "train.max_steps=2"])
     shown = "\n".join(result["lines"])
     assert result["rc"] == 0, shown[-3000:]
     assert len(result["lines"]) < bench.MOST_LINES, shown

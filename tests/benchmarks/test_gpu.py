@@ -34,6 +34,7 @@ def test_without_cuda_it_writes_why_it_skipped_and_prints_one_line(tmp_path, mon
     assert len(printed) == 1 and printed[0].startswith("gpu: skipped, ") and str(out) in printed[0]
 
 
+@pytest.mark.component
 def test_what_it_measures_imports_without_ray_mlflow_or_qdrant():
     """The benchmark and every layer it measures (the engine's step, the methods, the Encoder's model path, the
     evaluation's embed path) import where Ray, MLflow and Qdrant are not installed, as on the GPU machine."""

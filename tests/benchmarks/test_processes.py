@@ -2,9 +2,12 @@
 
 import math
 
+import pytest
+
 from clipstream.benchmarks import processes
 
 
+@pytest.mark.component
 def test_job_cost_counts_the_cpu_of_this_process_and_its_ray_workers_not_other_processes():
     import json
     import subprocess

@@ -267,6 +267,7 @@ print(json.dumps({"text": text[0].tolist(), "image": image[0].tolist(),
 """
 
 
+@pytest.mark.component
 def test_export_writes_a_folder_stock_open_clip_loads_and_never_overwrites_one(settings, stream, capsys, tmp_path):
     import json
 
@@ -391,7 +392,8 @@ def test_train_is_quiet_beside_another_ray_and_leaves_nothing_behind(ray_cluster
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("CLIPSTREAM_", "RAY_"))},
            "CLIPSTREAM_HOME": str(home)}
     done = subprocess.run([sys.executable, "-m", "clipstream.cli", "train", "--task", str(stream[0]), "--workers", "1",
-                           "--set", "train.epochs=1", "--set", "train.micro_batch=16", "--set", "train.log_every=2"],
+                           "--set", "train.epochs=1", "--set", "train.max_steps=2", "--set", "train.micro_batch=16",
+                           "--set", "train.log_every=2"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, check=False, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     printed = done.stdout.splitlines() + [line for line in done.stderr.replace("\r", "\n").splitlines()
@@ -413,27 +415,22 @@ def test_train_is_quiet_beside_another_ray_and_leaves_nothing_behind(ray_cluster
     assert ray_cluster.get(ray_cluster.remote(lambda: 41 + 1).remote()) == 42
 
 
-@pytest.mark.slow  # (a local Ray of its own: the same refusal is in the quick tier through run_task, tests/training)
-def test_train_asking_gpus_a_cpu_machine_lacks_exits_1_in_one_line_and_registers_nothing(cli_process, stream, tmp_path):
-    import os
+@pytest.mark.component  # (the session's Ray, which has no GPU: the refusal comes before Ray Train would wait)
+def test_train_asking_gpus_a_cpu_machine_lacks_exits_1_in_one_line_and_registers_nothing(ray_cluster, settings, stream,
+                                                                                         capsys):
     import time
 
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("CLIPSTREAM_", "RAY_"))},
-           "CLIPSTREAM_HOME": str(tmp_path / "home")}
-    tic = time.monotonic()
-    done = cli_process("train", "--task", stream[0], "--workers", "2", "--gpus-per-worker", "1", env=env, timeout=300)
-    assert done.returncode == 1, done.stderr[-3000:]
-    assert time.monotonic() - tic < 120  # (Ray Train would wait for the GPUs without end)
-    errors = [line for line in done.stderr.splitlines() if line.startswith("clipstream: error")]
-    assert errors == ["clipstream: error: the cluster cannot place the job: 2 workers × 1 GPUs, cluster has 0; lower "
-                      "--workers or --gpus-per-worker (0: CPU workers)"]
-    assert "Traceback" not in done.stderr
     from clipstream.registry import Registry
-    from clipstream.settings import Settings
 
-    assert Registry(Settings(home=tmp_path / "home")).versions() == []
+    tic = time.monotonic()
+    assert main(["train", "--task", str(stream[0]), "--workers", "2", "--gpus-per-worker", "1"]) == 1
+    assert time.monotonic() - tic < 120  # (Ray Train would wait for the GPUs without end)
+    assert capsys.readouterr().err.strip() == ("clipstream: error: the cluster cannot place the job: 2 workers × 1 GPUs, "
+                                               "cluster has 0; lower --workers or --gpus-per-worker (0: CPU workers)")
+    assert Registry(settings).versions() == []
 
 
+@pytest.mark.component
 def test_help_loads_neither_torch_nor_deepspeed_nor_ray_and_prints_nothing_of_theirs():
     """The parser reads the presets (training/methods), which must not pull DeepSpeed in (it logs its accelerator
     choice as a WARNING on import, which every quiet command then printed before its own lines), nor torch and

@@ -4,6 +4,8 @@ the log file, however they write it."""
 import subprocess
 import sys
 
+import pytest
+
 QUIET_PROCESS = """
 import logging, os, subprocess, sys, warnings
 from pathlib import Path
@@ -27,6 +29,7 @@ print(path)
 """
 
 
+@pytest.mark.component
 def test_quiet_keeps_the_terminal_for_clipstreams_lines_and_sends_the_rest_to_the_log(tmp_path):
     done = subprocess.run([sys.executable, "-c", QUIET_PROCESS, str(tmp_path / "logs")], capture_output=True,
                           text=True, check=False)

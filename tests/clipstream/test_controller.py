@@ -184,6 +184,7 @@ def test_the_submitted_rayjobs_validate_against_the_crd(tmp_path):
     assert "suspend" not in manifests[1]["spec"]  # the controller creates a job only once its parent exists
 
 
+@pytest.mark.component
 def test_the_file_lease_is_exclusive_and_freed_when_its_holder_dies(tmp_path):
     path = tmp_path / "controller.lock"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom clipstream.controller import FileLease\n"

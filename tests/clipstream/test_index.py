@@ -481,6 +481,7 @@ def run_script(root, mode):
     return json.loads(out.stdout)
 
 
+@pytest.mark.component
 def test_edge_second_process_reads_and_writes(tmp_path):
     root = tmp_path / "edge"
     writer = EdgeIndex(root)

@@ -284,6 +284,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.component
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
 def test_keep_freed_memory_stops_every_step_faulting_its_memory_in_again():
     """With glibc's default thresholds a step's 2 MiB blocks are mmapped and unmapped again (or trimmed from the heap's

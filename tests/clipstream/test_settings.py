@@ -171,6 +171,7 @@ def test_env_round_trips_defaults_and_skips_none(tmp_path, monkeypatch):
     assert Settings() == original
 
 
+@pytest.mark.component
 def test_importing_settings_loads_nothing_heavier_than_pydantic():
     """Reading settings is what every entry point does first: it must not pay for the vector index, a model
     framework, Ray or MLflow (a fresh interpreter, so what earlier tests imported does not count)."""
@@ -242,3 +243,23 @@ def test_a_list_setting_reaches_a_child_process_as_json(monkeypatch):
     assert env["CLIPSTREAM_IMAGE_ROOTS"] == '["/data/images", "s3://bucket/imgs"]'
     monkeypatch.setenv("CLIPSTREAM_IMAGE_ROOTS", env["CLIPSTREAM_IMAGE_ROOTS"])
     assert Settings().image_roots == ["/data/images", "s3://bucket/imgs"]
+
+
+def test_the_serve_app_names_an_application_and_its_route(monkeypatch):
+    assert Settings().serve_app == "clipstream"
+    monkeypatch.setenv("CLIPSTREAM_SERVE_APP", "side-2_b")
+    assert Settings().serve_app == "side-2_b"
+    for wrong in ("", "-side", "a/b", "a b", "side#1", "x" * 64):
+        with pytest.raises(ValidationError, match="name the application with letters, digits, '-' and '_'") as err:
+            Settings(serve_app=wrong)
+        assert err.value.errors()[0]["loc"] == ("serve_app",)
+
+
+def test_a_bad_serve_app_is_one_line_and_exit_2(monkeypatch, capsys):
+    from clipstream.cli import main
+
+    monkeypatch.setenv("CLIPSTREAM_SERVE_APP", "a/b")
+    assert main(["health"]) == 2
+    assert capsys.readouterr().err.strip() == ("clipstream: error: serve_app: 'a/b': name the application with "
+                                               "letters, digits, '-' and '_' (up to 63, starting with a letter or "
+                                               "digit); it is also its route prefix, /NAME")

@@ -589,6 +589,7 @@ def renders() -> dict[str, list[dict]]:
     return {name: objects(helm_template(*args)) for name, (args, *_rest) in CONFIGS.items()}
 
 
+@pytest.mark.component
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_configuration_is_deployable(renders, config, monkeypatch, tmp_path):
     _args, variant, gpus, secrets_rendered = CONFIGS[config]
@@ -596,6 +597,7 @@ def test_configuration_is_deployable(renders, config, monkeypatch, tmp_path):
               monkeypatch=monkeypatch, tmp_path=tmp_path)
 
 
+@pytest.mark.component
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_lint_strict_is_clean(config):
     args, *_ = CONFIGS[config]
@@ -612,6 +614,7 @@ def test_app_version_is_the_package_version():
     assert chart["version"] == "0.1.0"
 
 
+@pytest.mark.component
 def test_dev_is_cpu_only_and_prod_is_gpu_with_object_store_and_ingress(renders):
     dev, prod = renders["dev"], renders["prod"]
     assert not by_kind(dev, "Ingress")
@@ -633,6 +636,7 @@ def test_dev_is_cpu_only_and_prod_is_gpu_with_object_store_and_ingress(renders):
     assert worker["replicas"] == 1
 
 
+@pytest.mark.component
 def test_generated_secrets(renders):
     for name in ("default", "dev"):
         secrets = {d["metadata"]["name"]: d for d in by_kind(renders[name], "Secret")}
@@ -643,6 +647,7 @@ def test_generated_secrets(renders):
             assert s["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
 
 
+@pytest.mark.component
 def test_helm_test_pod(renders):
     (pod,) = [d for d in renders["default"] if d["kind"] == "Pod"]
     assert pod["metadata"]["annotations"][HOOK] == "test"
@@ -655,6 +660,7 @@ def test_helm_test_pod(renders):
     assert pod["spec"]["restartPolicy"] == "Never"
 
 
+@pytest.mark.component
 def test_names_and_port_follow_the_release_and_values(monkeypatch, tmp_path):
     """Another release name, another gRPC port, secrets from existing Secrets: every reference follows."""
     text = helm_template("--set", "settings.grpc_port=9100", "--set", "secrets.api.existingSecret=my-api",
@@ -678,6 +684,7 @@ def test_names_and_port_follow_the_release_and_values(monkeypatch, tmp_path):
         "args"][-1]
 
 
+@pytest.mark.component
 def test_external_services(monkeypatch, tmp_path):
     """External MLflow and Qdrant: no bundled workloads, no policies for absent pods, URIs passed on."""
     docs = objects(helm_template("--set", "mlflow.enabled=false",
@@ -695,6 +702,7 @@ def test_external_services(monkeypatch, tmp_path):
     check_security(docs)
 
 
+@pytest.mark.component
 @pytest.mark.parametrize("asked, pod_gpus", [("0", 0), ("0.5", 1), ("2", 2)])
 def test_serve_workers_request_the_gpus_the_encoder_asks_for(asked, pod_gpus, monkeypatch, tmp_path):
     docs = objects(helm_template("--set-json", f"settings.serve_encoder_gpus={asked}"))
@@ -702,6 +710,7 @@ def test_serve_workers_request_the_gpus_the_encoder_asks_for(asked, pod_gpus, mo
     check_settings(docs, monkeypatch, tmp_path)
 
 
+@pytest.mark.component
 def test_default_replicas_are_fixed_and_prod_autoscales(renders):
     app = serve_config(renders["default"])["applications"][0]
     assert "deployments" not in app and app["args"]["serve_replicas"] == 1
@@ -716,6 +725,7 @@ def test_default_replicas_are_fixed_and_prod_autoscales(renders):
     assert (worker["minReplicas"], worker["maxReplicas"]) == (2, 8)  # the pods' bounds: one GPU replica each
 
 
+@pytest.mark.component
 def test_no_pod_mounts_a_service_account_token_but_the_head_of_an_autoscaled_rayservice(renders):
     """No clipstream container calls the Kubernetes API; KubeRay's autoscaler (a container of the RayService's head
     when autoscaling is on) does, with the head's ServiceAccount, which KubeRay binds to its Role."""
@@ -726,6 +736,7 @@ def test_no_pod_mounts_a_service_account_token_but_the_head_of_an_autoscaled_ray
         assert all("automountServiceAccountToken" in spec for _where, _meta, spec in pod_templates(docs)), config
 
 
+@pytest.mark.component
 def test_a_serving_setting_changes_only_the_serve_config_and_others_roll_the_pods():
     """KubeRay applies a changed serveConfigV2 to the running cluster; any other change of the RayService (a pod
     annotation included) makes it a new cluster. A serving setting (settings.serve_*) changes only the former."""
@@ -746,6 +757,7 @@ def test_a_serving_setting_changes_only_the_serve_config_and_others_roll_the_pod
     assert rolled["rayClusterConfig"] == before["rayClusterConfig"]
 
 
+@pytest.mark.component
 def test_values_schema_rejects_wrong_values():
     assert "serve/replicas" in helm_fails("--set", "serve.replicas=abc")
     assert "additional properties" in helm_fails("--set", "serve.replica=2")
@@ -757,6 +769,7 @@ def test_values_schema_rejects_wrong_values():
     assert "serve/upgradeStrategy" in helm_fails("--set", "serve.upgradeStrategy=Incremental")
 
 
+@pytest.mark.component
 def test_inconsistent_values_fail():
     assert "mlflow.external.trackingUri" in helm_fails("--set", "mlflow.enabled=false")
     assert "qdrant.external.url" in helm_fails("--set", "qdrant.enabled=false")
@@ -778,9 +791,13 @@ def test_values_schema_knows_every_setting_the_chart_does_not_set_itself():
     # `clipstream serve`'s listener (services/binding.py, a setup hook of the Ray it starts): a RayService's proxy
     # listens on the pod's interfaces, always behind the release's API key; TLS ends at the cluster's ingress
     computed |= {"grpc_host", "grpc_allow_unauthenticated", "tls_cert_file", "tls_key_file", "tls_ca_file"}
+    # the RayService's serveConfigV2 names its application itself (services/app.py APP, checked above); a value here
+    # would reach the pods' settings while the app keeps its name, and `clipstream health` would ask for another
+    computed |= {"serve_app"}
     assert set(schema["properties"]["settings"]["properties"]) == set(Settings.model_fields) - computed
 
 
+@pytest.mark.component
 def test_a_list_setting_reaches_the_pods_as_json_that_settings_parse(monkeypatch):
     from clipstream.settings import Settings
 
@@ -790,6 +807,7 @@ def test_a_list_setting_reaches_the_pods_as_json_that_settings_parse(monkeypatch
     assert Settings().image_roots == ["s3://bucket/images", "/data/laion"]
 
 
+@pytest.mark.component
 def test_a_map_setting_reaches_the_pods_as_json_and_catalogues_live_on_the_runs_object_store(monkeypatch):
     from clipstream.settings import Settings
 
@@ -818,6 +836,7 @@ def secret_env(docs: list[dict], container: dict) -> dict[str, str]:
             for e in container.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
 
 
+@pytest.mark.component
 def test_ray_token_auth_is_on_by_default_and_can_use_an_existing_secret():
     (rs,) = by_kind(objects(helm_template("--set", "secrets.rayAuth.existingSecret=my-ray-token")), "RayService")
     assert rs["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token", "secretName": "my-ray-token"}
@@ -829,6 +848,7 @@ def test_ray_token_auth_is_on_by_default_and_can_use_an_existing_secret():
     assert f"{RELEASE}-ray-auth" not in {d["metadata"]["name"] for d in by_kind(docs, "Secret")}
 
 
+@pytest.mark.component
 def test_postgres_password_of_any_characters_never_reaches_the_arguments(tmp_path):
     """A password with URL delimiters: the Secret holds it verbatim, MLflow's URI and arguments never."""
     from sqlalchemy.engine import make_url
@@ -853,6 +873,7 @@ def test_postgres_password_of_any_characters_never_reaches_the_arguments(tmp_pat
         "name": f"{RELEASE}-postgres", "key": "password"}
 
 
+@pytest.mark.component
 def test_mlflow_migrates_its_pinned_version_and_has_a_pdb_only_with_replicas():
     from test_images import arg_defaults
 
@@ -878,6 +899,7 @@ def test_mlflow_migrates_its_pinned_version_and_has_a_pdb_only_with_replicas():
     (("--set", "runs.existingClaim=shared-runs"), RUNS_MOUNT, None, None),
     (("--set", "runs.uri=s3://bucket/runs"), "s3://bucket/runs", None, None),
 ])
+@pytest.mark.component
 def test_runs_storage_is_a_choice(args, runs_dir, claim, mode):
     docs = objects(helm_template(*args))
     validate_all(docs)
@@ -893,6 +915,7 @@ def test_runs_storage_is_a_choice(args, runs_dir, claim, mode):
             head["template"]["spec"])["envFrom"]
 
 
+@pytest.mark.component
 def test_grpc_route_is_the_gateway_api_alternative():
     parent = {"name": "public", "namespace": "gateways", "sectionName": "grpc"}
     docs = objects(helm_template("--set", "grpcRoute.enabled=true", "--set-json",
@@ -905,6 +928,7 @@ def test_grpc_route_is_the_gateway_api_alternative():
     assert "grpcRoute.parentRefs" in helm_fails("--set", "grpcRoute.enabled=true")
 
 
+@pytest.mark.component
 def test_metrics_monitors_and_their_network_access(monkeypatch, tmp_path):
     docs = objects(helm_template("--set", "metrics.enabled=true", "--set-json", 'metrics.labels={"release":"prom"}'))
     check_all(docs, variant="gpu", gpus=1, secrets_rendered=True, monkeypatch=monkeypatch, tmp_path=tmp_path)
@@ -933,6 +957,7 @@ def test_metrics_monitors_and_their_network_access(monkeypatch, tmp_path):
     assert "metrics.scrapeFrom" in helm_fails("--set", "metrics.enabled=true", "--set-json", "metrics.scrapeFrom=[]")
 
 
+@pytest.mark.component
 def test_qdrant_snapshots_on_an_empty_dir_when_asked():
     docs = objects(helm_template("--set", "qdrant.snapshots.persistence=false"))
     sts = one(docs, "StatefulSet", f"{RELEASE}-qdrant")
@@ -940,6 +965,7 @@ def test_qdrant_snapshots_on_an_empty_dir_when_asked():
     assert {"name": "snapshots", "emptyDir": {}} in sts["spec"]["template"]["spec"]["volumes"]
 
 
+@pytest.mark.component
 def test_ray_logs_sidecar_can_be_left_out():
     docs = objects(helm_template("--set", "ray.logs.sidecar.enabled=false"))
     assert f"{RELEASE}-ray-logs" not in {d["metadata"]["name"] for d in by_kind(docs, "ConfigMap")}
@@ -947,6 +973,7 @@ def test_ray_logs_sidecar_can_be_left_out():
         assert [c["name"] for c in group["template"]["spec"]["containers"]] in (["ray-head"], ["ray-worker"])
 
 
+@pytest.mark.component
 def test_every_pod_takes_the_extension_points(tmp_path):
     """The same fields on each component reach its pod (one helper renders them for all)."""
     def extras(name: str) -> dict:
@@ -1074,6 +1101,7 @@ def test_mlflow_migrates_and_reaches_a_real_postgres_whose_password_has_url_deli
     store.engine.dispose()
 
 
+@pytest.mark.component
 def test_the_stream_controller_is_off_by_default_and_least_privileged_when_on(renders, monkeypatch, tmp_path):
     """The controller (values `controller:`): its own ServiceAccount (the chart's mounts no token), a Role allowed
     RayJobs and its one Lease, and a command that `clipstream controller` parses, with the values given."""

@@ -100,6 +100,7 @@ def test_every_skipped_check_says_why():
     assert all(len(reason) > 40 for reason in listed.values()), listed
 
 
+@pytest.mark.component
 def test_no_render_has_a_finding(findings):
     for name, found in findings.items():
         what = f"`clipstream k8s {JOBS[name][0]}`" if name in JOBS else name

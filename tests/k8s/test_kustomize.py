@@ -28,6 +28,7 @@ def overlays() -> dict[str, list[dict]]:
     return {name: objects(run("kubectl", "kustomize", f"k8s/overlays/{name}")) for name in OVERLAYS}
 
 
+@pytest.mark.component
 def test_base_is_the_chart_render():
     fresh = run(*BASE_COMMAND)
     stored = (REPO / "k8s" / "base" / "clipstream.yaml").read_text()
@@ -43,6 +44,7 @@ def test_base_is_the_chart_render():
     assert set(spec["resources"]) == {"namespace.yaml", "clipstream.yaml"}
 
 
+@pytest.mark.component
 def test_base_renders_and_references_secrets_only():
     docs = objects(run("kubectl", "kustomize", "k8s/base"))
     validate_all(docs)
@@ -51,6 +53,7 @@ def test_base_renders_and_references_secrets_only():
     assert all(d["metadata"].get("namespace") == NAMESPACE for d in docs if d["kind"] != "Namespace")
 
 
+@pytest.mark.component
 @pytest.mark.parametrize("overlay", list(OVERLAYS))
 def test_overlay_is_deployable(overlays, overlay, monkeypatch, tmp_path):
     variant, gpus, secrets_rendered, _values = OVERLAYS[overlay]
@@ -60,6 +63,7 @@ def test_overlay_is_deployable(overlays, overlay, monkeypatch, tmp_path):
     assert all(d["metadata"].get("namespace") == NAMESPACE for d in docs if d["kind"] != "Namespace")
 
 
+@pytest.mark.component
 def test_dev_generates_secrets_with_fixed_names(overlays):
     secrets = {d["metadata"]["name"]: d for d in by_kind(overlays["dev"], "Secret")}
     # No hash suffix: KubeRay's pod templates name them and kustomize does not rewrite CRD fields.
@@ -95,6 +99,7 @@ def _normalised(docs: list[dict]) -> dict[tuple[str, str], dict]:
             if d["kind"] not in ("Secret", "Namespace") and "helm.sh/hook" not in d["metadata"].get("annotations", {})}
 
 
+@pytest.mark.component
 @pytest.mark.parametrize("overlay", list(OVERLAYS))
 def test_overlay_equals_the_chart_with_its_values(overlays, overlay):
     chart = _normalised(objects(helm_template("-f", OVERLAYS[overlay][3])))

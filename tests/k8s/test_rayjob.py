@@ -161,6 +161,7 @@ def test_runs_dir_on_the_volume_or_an_object_store(capsys):
         assert "runs" not in {v["name"] for v in pod["spec"]["volumes"]}
 
 
+@pytest.mark.component
 def test_jobs_run_the_image_the_release_runs(capsys, tmp_path):
     """From the values files the release was installed with (as push.sh writes them: the tag pinned to a
     digest), the job's image is the one the chart renders for the RayService; or an --image by tag or digest."""
@@ -190,6 +191,7 @@ def selects(selector: dict, labels: dict) -> bool:
     return selector["matchLabels"].items() <= labels.items()
 
 
+@pytest.mark.component
 def test_training_pods_take_ray_traffic_only_from_each_other(capsys, chart):
     """The NetworkPolicy printed with the jobs: every pod of a job is selected; the Ray ports admit the training
     pods of the release only (not serving's, not another release's); the dashboard is open to the operator."""
@@ -283,6 +285,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys):
     assert "pass --name" in capsys.readouterr().err
 
 
+@pytest.mark.component
 def test_job_uses_what_the_chart_installs(capsys, chart):
     (rayjob,) = cli(capsys, "job", "--task", "s3://b/t0")
     service = next(o for o in chart if o["kind"] == "RayService")

@@ -55,6 +55,7 @@ def pathlib_path(p):
     return pathlib.Path(p)
 
 
+@pytest.mark.component
 def test_the_registered_pyfunc_brings_its_own_code_and_pins_only_public_dependencies(settings):
     """Restoring a version's environment must not install "clipstream" from the public index (someone else's
     package): the project travels as the model's code, and the requirements are pinned public packages."""

@@ -1,28 +1,38 @@
 """A real Ray Serve app on loopback gRPC, serving versions registered without training."""
 
+import contextlib
 import io
 
 from PIL import Image
 
-LAST = "test_live_promotion.py"  # replaces the shared app: run it after the other service tests
 
+@contextlib.contextmanager
+def side_app(settings, timeout_s: float = 60.0):
+    """An application of its own (settings.serve_app, reserving no CPU as the shared one), deployed beside the session's
+    shared app on its proxy (the `served` fixture's grpc_port) as `clipstream serve` deploys it; deleted at the end
+    (only it), once the proxy no longer routes to it, so that callers naming no application reach the shared app
+    alone again. Yields the address."""
+    import time
 
-def pytest_collection_modifyitems(session, config, items):
-    """Run the live-promotion module after every other test that uses the shared app, so it need not deploy
-    the shared app again afterwards (a ~30 s redeploy on 2 cores); see `still_needed`."""
-    last = [i for i in items if i.path.name == LAST]
-    if last:
-        at = items.index(last[0])
-        rest = [i for i in items[at:] if i.path.name != LAST]
-        cut = next((k for k, i in enumerate(rest) if "served" not in i.fixturenames), len(rest))
-        items[at:] = rest[:cut] + last + rest[cut:]
+    import grpc
+    from ray import serve
+    from ray.serve.generated import serve_pb2, serve_pb2_grpc
 
+    from clipstream.services import app
 
-def still_needed(request, fixture: str = "served") -> bool:
-    """Whether a test after the requesting module's last one uses `fixture` (for a module-scoped fixture)."""
-    items = request.session.items
-    mine = [k for k, i in enumerate(items) if i.path == request.path]
-    return any(fixture in i.fixturenames for i in items[max(mine, default=-1) + 1:])
+    assert settings.serve_app != app.APP and settings.serve_encoder_cpus == settings.serve_search_cpus == 0, \
+        "a side app has a name of its own and reserves no CPU (the session's Ray has 2, for the training tests too)"
+    target = app.serve(settings, timeout_s=timeout_s)
+    try:
+        yield target
+    finally:
+        serve.delete(settings.serve_app)
+        with grpc.insecure_channel(target) as channel:
+            ask = serve_pb2_grpc.RayServeAPIServiceStub(channel).ListApplications
+            deadline = time.monotonic() + timeout_s
+            while settings.serve_app in ask(serve_pb2.ListApplicationsRequest()).application_names:
+                assert time.monotonic() < deadline, f"the proxy still routes to {settings.serve_app} after its deletion"
+                time.sleep(0.2)
 
 
 def set_production(settings, stub, version: str, timeout_s: float = 20.0) -> None:
@@ -68,14 +78,16 @@ def self_signed(folder, host: str = "127.0.0.1"):
     return cert_file, key_file
 
 
-def wait_serving(channel, timeout_s: float = 60.0) -> None:
-    """Until the server's health is SERVING (its proxy refreshes it every second once a model and a gallery are in place)."""
+def wait_serving(channel, timeout_s: float = 60.0, application: str | None = None) -> None:
+    """Until the server's health is SERVING (its proxy refreshes it every second once a model and a gallery are in
+    place), that of `application` when named (else the one the channel's calls name, or the default)."""
     import time
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     stub, deadline = health_pb2_grpc.HealthStub(channel), time.monotonic() + timeout_s
-    while stub.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING:
+    named = (("application", application),) if application else None
+    while stub.Check(health_pb2.HealthCheckRequest(), metadata=named).status != health_pb2.HealthCheckResponse.SERVING:
         assert time.monotonic() < deadline, "the server never became SERVING"
         time.sleep(0.25)
 

@@ -68,7 +68,7 @@ def test_the_proxys_servicer_functions_import_nothing_heavy():
 
 def test_the_served_port_listens_on_loopback_only(served):
     """Ray Serve's proxy binds every interface; clipstream's setup hook makes it bind Settings.grpc_host
-    (127.0.0.1 by default), and `app.start` checked that the proxy acknowledged it."""
+    (127.0.0.1 by default), and `app.serve` checked that the proxy acknowledged it."""
     import psutil
 
     port = served[0].grpc_port
@@ -119,3 +119,42 @@ def test_the_message_caps_match_the_clients_request_limit():
 
     assert int(SERVE_ENV["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]) == MAX_REQUEST_BYTES
     assert int(SERVE_ENV["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]) > MAX_REQUEST_BYTES  # room for framing
+
+
+def test_serve_is_the_one_start_up_and_checks_the_listener_before_ray_starts(settings, monkeypatch):
+    """`clipstream serve` starts through app.serve (the demo, the benchmarks and the tests too); Ray is started as
+    serving needs it, SERVE_ENV in the environment before and the proxy's setup hook given, and not at all when the
+    settings would listen beyond loopback without a key."""
+    import os
+
+    from clipstream import runtime
+    from clipstream.cli import main
+    from clipstream.services import app, binding
+
+    for key in app.SERVE_ENV:
+        monkeypatch.delenv(key, raising=False)
+    started = []
+    monkeypatch.setattr(runtime, "init_ray", lambda *args, **kwargs: started.append(
+        (args, kwargs, {k: os.environ.get(k) for k in app.SERVE_ENV})))
+    app.ray_for_serving(settings, num_cpus=3)
+    assert started == [((settings,), {"num_cpus": 3, "setup_hook": binding.install}, app.SERVE_ENV)]
+    with pytest.raises(binding.BindingError, match="without an API key"):
+        app.ray_for_serving(settings.model_copy(update={"grpc_host": "0.0.0.0"}))
+    assert len(started) == 1
+
+    served = []
+
+    def serve(settings, **options):
+        served.append(settings)
+        raise ValueError("stop here")  # (bad input: exit 2, and nothing after it runs)
+
+    monkeypatch.setattr(app, "serve", serve)
+    assert main(["serve", "--replicas", "3", "--no-follow"]) == 2
+    assert [s.serve_replicas for s in served] == [3]
+
+
+def test_the_default_application_is_the_one_health_and_the_chart_name():
+    from clipstream.services import app, health
+    from clipstream.settings import Settings
+
+    assert Settings.model_fields["serve_app"].default == app.APP == health.APP

@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 
 from clipstream.runtime import free_port
-from clipstream.services.client import Client
+from clipstream.services.client import AsyncClient, Client, channel, service_config
 
 pytestmark = pytest.mark.component  # the session's served app
+
+QUICK = (0.01, 0.05)  # the retry policy's waits in tests: the same policy, not its seconds of backoff
 
 
 def test_client_batches_and_returns_numpy(served):
@@ -40,12 +42,13 @@ class FlakyHealth:
 
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        self.codes, self.attempts = list(codes), 0
+        self.codes, self.attempts, self.metadata = list(codes), 0, []
         outer = self
 
         class Servicer(health_pb2_grpc.HealthServicer):
             def Check(self, request, context):
                 outer.attempts += 1
+                outer.metadata.append(dict(context.invocation_metadata()))
                 if outer.codes:
                     context.abort(outer.codes.pop(0), "not yet")
                 return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
@@ -63,10 +66,12 @@ class FlakyHealth:
 
 
 def test_client_retries_unavailable_through_its_service_config():
-    with FlakyHealth([grpc.StatusCode.UNAVAILABLE] * 2) as server, Client(f"127.0.0.1:{server.port}") as client:
+    with FlakyHealth([grpc.StatusCode.UNAVAILABLE] * 2) as server, Client(f"127.0.0.1:{server.port}",
+                                                                          backoff_s=QUICK) as client:
         assert client.health() == "SERVING"
         assert server.attempts == 3  # two refusals retried by the channel's retry policy, no code of ours
-    with FlakyHealth([grpc.StatusCode.UNAVAILABLE] * 2) as server, Client(f"127.0.0.1:{server.port}", retries=1) as client:
+    with FlakyHealth([grpc.StatusCode.UNAVAILABLE] * 2) as server, Client(f"127.0.0.1:{server.port}", retries=1,
+                                                                          backoff_s=QUICK) as client:
         with pytest.raises(grpc.RpcError) as err:
             client.health()
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and server.attempts == 2  # gave up after 1 retry
@@ -97,7 +102,7 @@ def test_a_catalogue_write_aborted_by_a_promotion_is_sent_again_and_nothing_else
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        with Client(f"127.0.0.1:{port}") as client:
+        with Client(f"127.0.0.1:{port}", backoff_s=QUICK) as client:
             assert client.add_items("mugs", [{"item_id": "m", "text": "a mug"}])["model_version"] == "2"
             with pytest.raises(grpc.RpcError) as err:
                 client.search(text="a mug")
@@ -107,7 +112,8 @@ def test_a_catalogue_write_aborted_by_a_promotion_is_sent_again_and_nothing_else
 
 
 def test_client_does_not_retry_what_a_retry_cannot_fix():
-    with FlakyHealth([grpc.StatusCode.INVALID_ARGUMENT]) as server, Client(f"127.0.0.1:{server.port}") as client:
+    with FlakyHealth([grpc.StatusCode.INVALID_ARGUMENT]) as server, Client(f"127.0.0.1:{server.port}",
+                                                                           backoff_s=QUICK) as client:
         with pytest.raises(grpc.RpcError) as err:
             client.health()
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and server.attempts == 1
@@ -145,19 +151,75 @@ def test_a_bad_server_address_is_refused(uri):
         parse_address(uri)
 
 
-def test_from_env_calls_the_server_the_settings_name(monkeypatch, tmp_path):
+def test_from_env_calls_the_server_and_the_application_the_settings_name(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CLIPSTREAM_SERVE_APP", raising=False)
     with FlakyHealth([]) as server:
         monkeypatch.setenv("CLIPSTREAM_SERVER", f"grpc://127.0.0.1:{server.port}")
         with Client.from_env() as client:
             assert client.address == f"127.0.0.1:{server.port}" and client.health() == "SERVING"
+        monkeypatch.setenv("CLIPSTREAM_SERVE_APP", "side")
+        with Client.from_env() as client:
+            client.health()
+    assert [m.get("application") for m in server.metadata] == ["clipstream", "side"]
+
+
+def test_every_call_names_the_application_when_one_is_given_and_none_otherwise():
+    """The metadata Serve's proxy routes by when several applications share it: on every call of both clients and of
+    a bare channel, health included, and on every attempt the retry policy makes; nothing without `application`."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async def aio(address):
+        async with AsyncClient(address, application="side", backoff_s=QUICK) as client:
+            return await client.health()
+
+    with FlakyHealth([grpc.StatusCode.UNAVAILABLE]) as server:
+        address = f"127.0.0.1:{server.port}"
+        with Client(address, application="side", backoff_s=QUICK) as client:
+            assert client.health() == "SERVING"  # (a refusal first: two attempts)
+        with ThreadPoolExecutor(1) as pool:  # (asyncio.run on a thread of its own: see test_one_client_runs_...)
+            assert pool.submit(asyncio.run, aio(address)).result() == "SERVING"
+        with channel(address, application="side") as named:
+            health_pb2_grpc.HealthStub(named).Check(health_pb2.HealthCheckRequest(), metadata=(("x-api-key", "k"),))
+        with Client(address) as unnamed:
+            unnamed.health()
+    assert [m.get("application") for m in server.metadata] == ["side"] * 4 + [None]
+    assert server.metadata[3]["x-api-key"] == "k"  # (the caller's own metadata kept)
+
+
+def test_the_retry_policy_waits_as_told():
+    default = json.loads(service_config(4))["methodConfig"][0]["retryPolicy"]
+    assert (default["initialBackoff"], default["maxBackoff"], default["maxAttempts"]) == ("1.000000000s",
+                                                                                          "5.000000000s", 5)
+    quick = json.loads(service_config(2, QUICK))["methodConfig"][1]["retryPolicy"]
+    assert (quick["initialBackoff"], quick["maxBackoff"], quick["maxAttempts"]) == ("0.010000000s", "0.050000000s", 3)
+    for wrong in ((0, 1), (2, 1)):
+        with pytest.raises(ValueError, match="0 < first <= longest"):
+            service_config(4, wrong)
 
 
 def test_client_gives_up_on_a_port_nobody_listens_on():
+    """Every attempt the retry policy allows is refused, then the call fails: at once with the waits made short."""
+    import time
+
     port = free_port()  # nothing listens here
-    with pytest.raises(grpc.RpcError) as err, Client(f"127.0.0.1:{port}", timeout_s=30) as client:
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err, Client(f"127.0.0.1:{port}", timeout_s=30, backoff_s=QUICK) as client:
         client.encode_text(["a cup"])
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 1.0
+
+
+def test_the_cli_names_the_settings_application(monkeypatch, tmp_path):
+    from clipstream.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CLIPSTREAM_SERVE_APP", "side")
+    with FlakyHealth([]) as server:
+        assert main(["health", "--address", f"127.0.0.1:{server.port}"]) == 0
+    assert server.metadata[0]["application"] == "side"
 
 
 def test_cli_search_and_encode_print_tables_and_statuses(served, indexed, capsys, monkeypatch):

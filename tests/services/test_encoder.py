@@ -11,7 +11,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
 from clipstream.registry import Registry
-from clipstream.services import app
 from clipstream.v1 import encoder_pb2
 from tests.services.conftest import png as _png
 from tests.services.conftest import set_production, wait_serving
@@ -70,7 +69,7 @@ def test_bad_requests_get_the_right_status_and_the_server_keeps_serving(served, 
 def test_concurrent_requests_are_batched(served):
     from ray import serve
 
-    _, _, stub, _ = served
+    settings, _, stub, _ = served
     results, threads = [], []
     for i in range(24):
         t = threading.Thread(target=lambda i=i: results.append(stub.EncodeText(encoder_pb2.EncodeTextRequest(texts=[f"cup {i}"]))))
@@ -79,7 +78,7 @@ def test_concurrent_requests_are_batched(served):
     for t in threads:
         t.join()
     assert len(results) == 24
-    sizes = serve.get_deployment_handle("Encoder", app.APP).BatchSizes.remote().result()
+    sizes = serve.get_deployment_handle("Encoder", settings.serve_app).BatchSizes.remote().result()
     assert max(sizes) > 1
 
 
@@ -90,14 +89,14 @@ def test_batches_are_pipelined_and_each_caller_gets_its_own_answer(served):
 
     from ray import serve
 
-    _, _, stub, _ = served
+    settings, _, stub, _ = served
     texts = [f"{colour} cup number {i}" for i, colour in enumerate(["red", "blue", "green"] * 10)]
     alone = {t: list(stub.EncodeText(encoder_pb2.EncodeTextRequest(texts=[t])).embeddings[0].values) for t in texts}
     with ThreadPoolExecutor(len(texts)) as pool:
         together = list(pool.map(lambda t: stub.EncodeText(encoder_pb2.EncodeTextRequest(texts=[t, t])), texts))
     for t, answer in zip(texts, together):
         np.testing.assert_allclose([list(e.values) for e in answer.embeddings], [alone[t]] * 2, atol=1e-5)
-    assert serve.get_deployment_handle("Encoder", app.APP).most_batches_handed.remote().result() == 2
+    assert serve.get_deployment_handle("Encoder", settings.serve_app).most_batches_handed.remote().result() == 2
 
 
 def test_health_and_reflection_work_without_our_stubs(served, indexed):

@@ -21,24 +21,32 @@ from tests.training.methods.test_streams import assert_both_policies
 
 
 @pytest.mark.e2e
-def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(two_tasks, stream, monkeypatch, capsys):
-    """The quick tier's stream (tests/conftest.py two_tasks): what its two jobs registered and logged."""
-    settings, first, second = two_tasks
+def test_two_tasks_on_a_version_0_register_versions_with_tags_parent_and_matrix(two_tasks, stream, monkeypatch,
+                                                                                 capsys):
+    """The quick tier's stream (tests/conftest.py two_tasks): version 0 from a checkpoint (`register --from`), then
+    what its two jobs registered and logged on top of it."""
+    settings, version0, first, second = two_tasks
     for name, value in settings.env().items():  # the CLI below reads the same settings
         monkeypatch.setenv(name, value)
 
     registry = Registry(settings)
     versions = registry.versions()
-    assert [v.version for v in versions] == [first.version, second.version] == ["1", "2"]
-    v1, v2 = versions
-    assert v1.tags["task"] == "task-00-household" and v1.tags["task_index"] == "0" and v1.tags["parent_version"] == ""
-    assert v2.tags["task"] == "task-01-furnishing" and v2.tags["task_index"] == "1" and v2.tags["parent_version"] == "1"
+    assert [v.version for v in versions] == [version0.version, first.version, second.version] == ["1", "2", "3"]
+    v0, v1, v2 = versions
+    assert v0.tags["method"] == "pretrained" and v0.tags["parent_version"] == "" and v0.aliases == ["start"]
+    assert v0.tags["source"].startswith("clipstream-vit-tiny:") and v0.tags["source"].endswith("epoch_32.pt")
+    assert v1.tags["task"] == "task-00-household" and v1.tags["task_index"] == "0" and v1.tags["parent_version"] == "1"
+    assert v2.tags["task"] == "task-01-furnishing" and v2.tags["task_index"] == "1" and v2.tags["parent_version"] == "2"
     assert v1.tags["method"] == "finetune" and v2.tags["method"] == "joint"
     assert len(v1.tags["data_sha"]) == 64 and v1.tags["data_sha"] != v2.tags["data_sha"]
     assert v2.aliases == ["candidate"] and v1.aliases == ["s1-1"]
     assert settings.mlflow_tracking_uri.startswith("sqlite:///") and (settings.home / "mlflow.db").is_file()
-    # the second job's workers read the parent from Ray Train's shared storage, cleared when the job ended
-    assert (settings.runs_path / "inputs").is_dir() and not any((settings.runs_path / "inputs").iterdir())
+    # runs_dir is a file:// URI: the jobs' workers read their parents through it (shared storage, cleared when each
+    # job ended), and nothing is left there nor made as a local `file:` folder once the versions are registered
+    store = settings.home.parent / "store"
+    assert settings.runs_dir == store.as_uri()
+    assert [p.name for p in store.iterdir()] == ["inputs"] and not any((store / "inputs").iterdir())
+    assert sorted(p.name for p in settings.home.parent.iterdir()) == ["epoch_32.pt", "home", "store"]
 
     # the run holds the loss curve, the evaluation, the matrix row and the heatmap
     client = MlflowClient(settings.mlflow_tracking_uri)
@@ -59,37 +67,45 @@ def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(two_tasks, 
     assert {"matrix_known.json", "config.json", "plots/01-task-01-furnishing-joint-known.png",
             "plots/01-task-01-furnishing-joint-known-recall.png", "plots/01-task-01-furnishing-joint-loss.png"} <= artifacts
 
-    # the version carries the lineage and the matrix; row 2 is this version evaluated on both tasks
-    resolved = registry.resolve("2")
+    # the version carries the lineage and the matrix; row 2 is this version evaluated on both tasks, and version 0's
+    # row 0 (its evaluation before any training) is kept beside the trained rows
+    resolved = registry.resolve("3")
     assert [e["task"] for e in resolved.lineage] == ["task-00-household", "task-01-furnishing"]
     matrix = evaluate.ResultMatrix.from_dict(resolved.manifest["matrix"]["known"])
     assert_both_policies(resolved.manifest["matrix"])
     assert matrix.tasks == ["task-00-household", "task-01-furnishing"]
     assert matrix.values[0, 0] == pytest.approx(first.known.values[0, 0])
+    labels, shown = matrix.shown()
+    assert labels == [evaluate.BASELINE, "task-00-household", "task-01-furnishing"]
+    assert np.allclose(shown[1:], matrix.values, equal_nan=True)
+    assert matrix.baseline == evaluate.ResultMatrix.from_dict(version0.manifest["matrix"]["known"]).baseline
+    assert set(matrix.baseline) == {"task-00-household", "task-01-furnishing"}  # `register --evaluate` both tasks
     bundle = models.load_exported(resolved.folder)
     again = evaluate.evaluate_seen([evaluate.embed_task(bundle, Task.load(p)) for p in stream])
     assert again["known"]["task-00-household"]["Rm"] == pytest.approx(matrix.values[1, 0], abs=1e-6)
     assert again["known"]["task-01-furnishing"]["Rm"] == pytest.approx(matrix.values[1, 1], abs=1e-6)
     assert run.data.metrics["known/AA"] == pytest.approx(matrix.average_accuracy())
 
-    # zero-shot retention: the held-out task given to the first job is evaluated with both versions
+    # zero-shot retention: the held-out task given to version 0 is evaluated with every version after it, measured
+    # from version 0's score
     held_out = Task.load(held_out_task(stream[0].parent))
-    zs1, zs2 = registry.resolve("1").manifest["zero_shot"], resolved.manifest["zero_shot"]
-    assert zs1["tasks"] == zs2["tasks"] and [e["task"] for e in zs2["tasks"]] == [held_out.name]
-    assert zs1["Rm"] == first.zero_shot == zs2["Rm"][:1] and second.zero_shot == zs2["Rm"] and len(zs2["Rm"]) == 2
+    zs0, zs1, zs2 = (registry.resolve(v).manifest["zero_shot"] for v in ("1", "2", "3"))
+    assert zs0["tasks"] == zs1["tasks"] == zs2["tasks"] and [e["task"] for e in zs2["tasks"]] == [held_out.name]
+    assert zs0["Rm"] == zs2["Rm"][:1] and zs1["Rm"] == first.zero_shot == zs2["Rm"][:2]
+    assert second.zero_shot == zs2["Rm"] and len(zs2["Rm"]) == 3
     zero_shot = evaluate.evaluate_seen([evaluate.embed_task(bundle, held_out)])["known"][held_out.name]
-    assert zs2["Rm"][1] == pytest.approx(zero_shot["Rm"], abs=1e-6)
+    assert zs2["Rm"][2] == pytest.approx(zero_shot["Rm"], abs=1e-6)
     assert run.data.metrics["zero_shot/Rm"] == pytest.approx(zero_shot["Rm"])
-    assert run.data.metrics["zero_shot/drop"] == pytest.approx(zs2["Rm"][0] - zs2["Rm"][1])
+    assert run.data.metrics["zero_shot/drop"] == pytest.approx(zs2["Rm"][0] - zs2["Rm"][2])
     assert run.data.metrics[f"eval/zero_shot/{held_out.name}/i2t_R1"] == pytest.approx(zero_shot["i2t_R@1"])
     # beside retrieval, classification of its images among its class names (8 classes: top-1 and top-5)
     labels = [held_out.classes.index(r["label"]) for r in held_out.check("test").rows]
     accuracy = evaluate.classification_accuracy(evaluate.embed_task(bundle, held_out).img,
                                                 evaluate.class_vectors(bundle, held_out.classes), labels)
-    assert zs1["accuracy"] == first.zero_shot_accuracy == zs2["accuracy"][:1]
-    assert second.zero_shot_accuracy == zs2["accuracy"] and zs2["accuracy"][1] == pytest.approx(accuracy["top1"])
+    assert zs1["accuracy"] == first.zero_shot_accuracy == zs2["accuracy"][:2] and zs0["accuracy"] == zs2["accuracy"][:1]
+    assert second.zero_shot_accuracy == zs2["accuracy"] and zs2["accuracy"][2] == pytest.approx(accuracy["top1"])
     assert run.data.metrics["zero_shot/accuracy"] == pytest.approx(accuracy["top1"])
-    assert run.data.metrics["zero_shot/accuracy_drop"] == pytest.approx(zs2["accuracy"][0] - zs2["accuracy"][1])
+    assert run.data.metrics["zero_shot/accuracy_drop"] == pytest.approx(zs2["accuracy"][0] - zs2["accuracy"][2])
     assert run.data.metrics[f"eval/zero_shot/{held_out.name}/top5"] == pytest.approx(accuracy["top5"])
 
     # every test query's rank, per gallery mode and the held-out tasks (what a bootstrap resamples): R@K is the
@@ -106,21 +122,21 @@ def test_two_tasks_register_two_versions_with_tags_parent_and_matrix(two_tasks, 
     # the model learned something on its own task: far above chance (R@1 chance ~ 1/24)
     assert second.known.values[1, 1] > 25
 
-    # the CLI shows the same: `eval` recomputes version 2's row, `runs` lists both versions
-    assert main(["eval", "--version", "2"]) == 0
+    # the CLI shows the same: `eval` recomputes version 3's row, `runs` lists the three versions
+    assert main(["eval", "--version", "3"]) == 0
     out = capsys.readouterr().out
-    assert "version 2 (joint, after task task-01-furnishing)" in out
+    assert "version 3 (joint, after task task-01-furnishing)" in out
     assert f"{again['known']['task-00-household']['Rm']:.1f}" in out
     assert main(["runs"]) == 0
     listing = capsys.readouterr().out.splitlines()
-    assert listing[2].split()[:5] == ["1", "s1-1", "task-00-household", "finetune", "-"]
-    assert listing[3].split()[:5] == ["2", "candidate", "task-01-furnishing", "joint", "1"]
+    assert listing[3].split()[:5] == ["2", "s1-1", "task-00-household", "finetune", "1"]
+    assert listing[4].split()[:5] == ["3", "candidate", "task-01-furnishing", "joint", "2"]
     assert listing[0].split()[-2:] == ["ZS", "ZSdrop"]
-    assert listing[3].split()[-2:] == [f"{zs2['Rm'][1]:.1f}", f"{zs2['Rm'][0] - zs2['Rm'][1]:.1f}"]
+    assert listing[4].split()[-2:] == [f"{zs2['Rm'][2]:.1f}", f"{zs2['Rm'][0] - zs2['Rm'][2]:.1f}"]
 
     # a task already in the lineage is refused; unknown references are clear errors
     with pytest.raises(ValueError, match="already been trained on task 'task-01-furnishing'"):
-        run_task(stream[1], "finetune", "2", workers=2, overrides=FAST, settings=settings)
+        run_task(stream[1], "finetune", "3", workers=2, overrides=FAST, settings=settings)
     with pytest.raises(RegistryError, match="no such model version"):
         registry.resolve("models:/clipstream@production")
     with pytest.raises(RegistryError, match="not 'other'"):
@@ -177,18 +193,21 @@ def test_a_zero_shot_task_the_stream_trains_on_is_refused_before_training(settin
 @pytest.mark.slow
 def test_a_killed_worker_resumes_from_the_last_epoch_checkpoint_with_the_same_weights(two_tasks, settings, stream,
                                                                                        tmp_path, monkeypatch):
-    """Version 1's deterministic job again, with rank 1 killed after training its last epoch and before that
-    epoch's checkpoint: the job resumes from the epoch before and ends with version 1's weights, bit for bit
-    (so resuming is exact, and a rerun of a deterministic job gives the same weights)."""
-    shared, before, _ = two_tasks
+    """The quick tier's first deterministic job again (from the same version 0), with rank 1 killed after training
+    its last epoch and before that epoch's checkpoint: the job resumes from the epoch before and ends with that
+    job's weights, bit for bit (so resuming is exact, and a rerun of a deterministic job gives the same weights)."""
+    from clipstream.training.version0 import register_version0
+
+    shared, version0, before, _ = two_tasks
+    start = register_version0(version0.tags["source"], settings=settings).version  # the same checkpoint
     marker = tmp_path / "killed"
     monkeypatch.setenv("CLIPSTREAM_FAIL_ONCE", f"1:1:{marker}")
-    again = run_task(stream[0], "finetune", None, workers=2, overrides=[*DETERMINISTIC, "train.max_failures=1"],
+    again = run_task(stream[0], "finetune", start, workers=2, overrides=[*DETERMINISTIC, "train.max_failures=1"],
                      settings=settings)
     assert marker.read_text() == "failed once\n"
     metrics = MlflowClient(settings.mlflow_tracking_uri).get_run(again.run_id).data.metrics
     assert metrics["train/start_epoch"] == 1  # resumed after epoch 0, did not start over
-    assert again.version == "1"
+    assert again.version == "2"
     first, second = (models.load_exported(Registry(s).resolve(r.version).folder).model.state_dict()
                      for s, r in ((shared, before), (settings, again)))
     assert first.keys() == second.keys()

@@ -37,6 +37,7 @@ def _worker(rank, world):
     return float(ours), float(theirs), local_img.grad.numpy().copy(), local_txt.grad.numpy().copy()
 
 
+@pytest.mark.component
 def test_two_workers_equal_one_process_on_the_whole_batch():
     """Mean of the ranks' losses = full-batch loss; rank gradients (summed by gather's backward,
     averaged over ranks as DeepSpeed does) = the full-batch gradient rows of each rank."""

@@ -17,6 +17,7 @@ from clipstream.training.resume import AlreadyRegistered, JobRunning
 from tests.conftest import register_version
 
 
+@pytest.mark.component
 def test_a_task_that_registered_a_version_is_refused_unless_retrained_and_a_job_names_its_ray_run_by_what_it_trains(
         settings, stream, capsys):
     """Before anything runs: the task's version from the same parent, method and data refuses the job (exit 2 from the

@@ -1,15 +1,12 @@
 """clipstream.training.shared: what a job's driver shares with its workers under runs_dir, on a mounted folder or
-a URI (here a real file:// filesystem through fsspec, as s3:// and gs:// go), and runs_dir reaching Ray Train."""
+a URI (here a real file:// filesystem through fsspec, as s3:// and gs:// go), and runs_dir reaching Ray Train. A
+real stream of jobs on a file:// runs_dir is the quick tier's (tests/conftest.py `two_tasks`)."""
 
 from pathlib import Path
 
-import pytest
-
-from clipstream.registry import Registry
 from clipstream.settings import Settings
 from clipstream.training import shared
-from clipstream.training.job import run_config, run_task
-from tests.conftest import FAST
+from clipstream.training.job import run_config
 
 
 def test_a_uri_runs_dir_reaches_ray_train_unchanged(tmp_path, monkeypatch):
@@ -46,18 +43,3 @@ def test_a_model_folder_and_a_file_go_to_the_workers_through_a_uri(tmp_path):
     shared.remove(inputs)
     shared.remove(inputs)  # (nothing there: nothing to do)
     assert not stored.exists()
-
-
-@pytest.mark.slow
-def test_a_job_trains_on_a_uri_runs_dir(ray_cluster, stream, tmp_path, monkeypatch):
-    """A real job (Ray Train, 2 DeepSpeed workers) whose runs_dir is a URI (file://, read through the same fsspec
-    and pyarrow filesystems as s3://): its parent reaches the workers through the URI, its checkpoints go there, and
-    nothing is left there nor made as a local `file:` folder once the version is registered."""
-    monkeypatch.chdir(tmp_path)
-    store = tmp_path / "store"
-    settings = Settings(home=tmp_path / "home", runs_dir=store.as_uri()).ensure_dirs()
-    first = run_task(stream[0], "finetune", None, workers=2, overrides=FAST, settings=settings)
-    second = run_task(stream[1], "finetune", first.version, workers=2, overrides=FAST, settings=settings)
-    assert Registry(settings).resolve(second.version).tags["parent_version"] == first.version
-    assert [p.name for p in store.iterdir()] == ["inputs"] and not any((store / "inputs").iterdir())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "store"]

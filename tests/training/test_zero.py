@@ -1,9 +1,9 @@
 """ZeRO 0, 2 and 3 train the same on 2 CPU workers (DeepSpeed on gloo): each method's per-step losses and terms
 agree across stages over the same deterministic steps, and so do the exported weights and the method state the
-task leaves. The job's own path (Ray Train workers, `prepare` and `fit`, hence `engine.train_loop`) is trained at
-the three stages with finetune; every method's hooks (EWC, LwF, CTP, C-CLIP; MAS and Mod-X in the quick tier) on
-the engine a worker builds, in 2 processes of one gloo group, which is the same DeepSpeed maths without Ray's
-start-up per run.
+task leaves. On the engine a Ray Train worker builds (`engine.train_loop`'s calls), in 2 processes of one gloo group:
+the same DeepSpeed maths without Ray's start-up per run. The job's own path through Ray Train (`prepare` and `fit`)
+runs at ZeRO 0 and 3 in the quick tier's stream (tests/conftest.py `two_tasks`), at 1 and 2 in the method streams
+(tests/training/methods/test_streams.py).
 
 The methods that look back train a second task on top of a parent, so their terms are non-zero: the parent is the
 teacher, and EWC's importances come with it in its method state.
@@ -26,30 +26,12 @@ import torch
 from safetensors.torch import load_file
 
 from clipstream import models
-from clipstream.registry import Registry
 from clipstream.training.engine import prepare_for_deepspeed
-from clipstream.training.job import fit, prepare
 from tests.conftest import DETERMINISTIC
 
 RTOL_LOSS, ATOL_WEIGHT = 1e-4, 1e-3
-# 1 epoch (2 workers x 16 pairs a step), the rate at its peak from the second step
-OVERRIDES = [*DETERMINISTIC, "train.epochs=1", "train.log_every=1", "train.warmup_steps=1"]
 # each method's own terms, which must be felt (non-zero) for the comparison to count
 TERMS = {"ewc": ["penalty"], "lwf": ["distill"], "ctp": ["cmc", "topology_c", "topology_s"], "cclip": ["ckc"]}
-
-
-def train(settings, stream, stage: int) -> dict:
-    """One finetune job's training at ZeRO `stage`: its logged losses and exported weights."""
-    registry = Registry(settings)
-    plan = prepare(registry, stream[0], "finetune", None, workers=2, overrides=[*OVERRIDES, f"train.zero_stage={stage}"])
-    try:
-        with registry.run(f"finetune-zero{stage}", plan.tags) as run_id:
-            run = registry.log(run_id)
-            trained = fit(plan, settings, run)
-            losses = [m.value for m in sorted(run.metric_history("loss"), key=lambda m: m.step)]
-        return {"losses": losses, "weights": load_file(trained / models.WEIGHTS_FILE)}
-    finally:
-        shutil.rmtree(plan.workdir, ignore_errors=True)
 
 
 def weights_apart(a: dict, b: dict) -> list[str]:
@@ -57,15 +39,6 @@ def weights_apart(a: dict, b: dict) -> list[str]:
     assert a.keys() == b.keys()
     return [n for n, w in a.items() if not (w.dtype == b[n].dtype == torch.float32 and w.shape == b[n].shape
                                             and torch.allclose(w, b[n], atol=ATOL_WEIGHT, rtol=0))]
-
-
-@pytest.mark.slow
-def test_a_job_trains_the_same_at_zero_0_2_and_3(ray_cluster, settings, stream):
-    runs = {stage: train(settings, stream, stage) for stage in (0, 2, 3)}
-    for stage in (2, 3):
-        assert len(runs[0]["losses"]) == len(runs[stage]["losses"]) >= 3
-        assert runs[stage]["losses"] == pytest.approx(runs[0]["losses"], rel=RTOL_LOSS, abs=1e-6), stage
-        assert weights_apart(runs[0]["weights"], runs[stage]["weights"]) == [], stage
 
 
 def _methods_at_stages(rank: int, world: int) -> dict:
@@ -211,6 +184,7 @@ def _bf16_ctp_steps(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.component
 def test_bf16_trains_on_cpu_at_zero_0_and_3_and_exports_the_fp32_masters():
     """DeepSpeed's bf16 on CPU workers, asked for ZeRO 0 (run as BF16_Optimizer's stage 1) and 3, with CTP (momentum
     model, queues, a teacher-free first task): it trains, keeps the method's state in fp32, and exports fp32 weights, the optimizer's masters."""
@@ -329,6 +303,7 @@ def _broadcast_string(value):
     return box[0]
 
 
+@pytest.mark.component
 def test_mas_and_modx_train_the_same_at_zero_0_and_3_and_zero_3_resumes_where_it_stopped():
     from tests.conftest import on_gloo
 

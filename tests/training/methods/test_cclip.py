@@ -178,6 +178,7 @@ def _rates(rank, world):
     return {names[id(p)]: float(g["lr"]) for g in optimizer.param_groups for p in g["params"]}
 
 
+@pytest.mark.component
 def test_the_text_tower_trains_at_text_lr_scale_times_the_rate_through_deepspeeds_schedule():
     from tests.conftest import on_gloo
 
