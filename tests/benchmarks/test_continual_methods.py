@@ -141,22 +141,27 @@ def test_bad_input_exits_2_before_any_training(argv, message, settings, monkeypa
 
 
 @pytest.mark.slow
-def test_a_real_run_of_two_seeds_two_methods_two_tasks_stopped_and_continued(ray_cluster, settings, tmp_path,
-                                                                            monkeypatch, capsys):
-    """The whole path on a tiny stream, each job capped at one step (the benchmark family's one real run): the start
-    trained once per seed and shared, every version's ranks cached, the report's intervals; a second run with one
-    more method trains only that method's tasks."""
+def test_a_real_run_of_two_methods_two_tasks_continued_with_a_second_seed(ray_cluster, settings, tmp_path,
+                                                                          monkeypatch, capsys):
+    """The benchmark family's one real run, on a tiny stream (small tasks, each job capped at one step): the start
+    trained once per seed and shared by the methods, every version's ranks cached, the report's intervals; a second
+    run with one more seed trains only that seed's cells."""
+    from functools import partial
+
+    from clipstream.training.data.synth import synthesize
+
     tiny = ["train.epochs=1", "train.micro_batch=16", "train.max_steps=1"]
     out = tmp_path / "results" / "methods.md"
     jobs = []
     real = cells.train_task
     monkeypatch.setattr(cells, "train_task", lambda *a, **k: jobs.append(a[2]) or real(*a, **k))
-    options = dict(tasks=1, seeds=[0, 1], workers=1, overrides=tiny, out=out, start_with="finetune",
+    monkeypatch.setattr(bench, "synthesize", partial(synthesize, train_pairs=200))
+    options = dict(tasks=1, names=["finetune", "lwf"], workers=1, overrides=tiny, out=out, start_with="finetune",
                    test_per_task=40, resamples=100)
-    bench.methods(settings, names=["finetune"], **options)
-    assert jobs == ["finetune", "finetune"] * 2  # per seed: the shared start, then the method's task 2
-    text = bench.methods(settings, names=["finetune", "lwf"], **options)
-    assert jobs[4:] == ["lwf", "lwf"] and capsys.readouterr().out.count("finished before") == 2
+    bench.methods(settings, seeds=[0], **options)
+    assert jobs == ["finetune", "finetune", "lwf"]  # the shared start, then each method's task 2
+    text = bench.methods(settings, seeds=[0, 1], **options)
+    assert jobs[3:] == ["finetune", "finetune", "lwf"] and capsys.readouterr().out.count("finished before") == 2
     assert "--seeds 0,1 --test-per-task 40 --methods finetune,lwf --workers 1" in text
     assert "Seeds 0, 1; test pairs per task: 40." in text
     for label in ("finetune", "lwf"):

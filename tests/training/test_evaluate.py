@@ -219,12 +219,15 @@ def test_evaluate_seen_rejects_duplicates_and_bad_shapes():
 def languages(n_tasks=3, n=30, d=16, seed=0):
     """A language stream as evaluate_seen sees it: every task shows the same n images (one copy of the files each,
     so the same content keys and, under one model, the same image vectors) with captions of its own language."""
-    img = unit_rows(n, d, seed)
+    # (values on a grid of 1/16: every dot product is exact in float32 whatever order a BLAS sums it in, so the
+    # copies of an image tie exactly with it, as one model's vectors of the same file do)
+    grid = lambda x: (np.round(x * 16) / 16).astype(np.float32)  # noqa: E731
+    img = grid(unit_rows(n, d, seed))
     keys = [f"sha-{i}" for i in range(n)]
     out = []
     for t in range(n_tasks):
         txt = img + 0.9 * unit_rows(n, d, seed + 1 + t)  # each language's captions near their image, noisily
-        txt /= np.linalg.norm(txt, axis=1, keepdims=True)
+        txt = grid(txt / np.linalg.norm(txt, axis=1, keepdims=True))
         captions = [f"lang{t} caption {i}" for i in range(n)]
         out.append(Embedded(f"lang-{t}", img.copy(), txt, positives(keys, captions), keys, captions))
     return out
