@@ -1,7 +1,7 @@
-"""The session's local cluster (clipstream.local_cluster) and the training jobs submitted to it, started when the
-first test that carries the `cluster` marker asks for it; those tests run last (tests/conftest.py). It does not
-start at collection, as the method streams do: two Ray nodes, an MLflow server and two DeepSpeed jobs next to the
-rest of the suite oversubscribe 2 cores so far that Serve's proxies miss their 60 s start-up deadline (seen in CI).
+"""The local cluster (clipstream.local_cluster) and the training jobs submitted to it, started by the
+`cluster_session` fixture for the module that uses it and stopped after it (tests/conftest.py). It does not start
+at collection, as the method streams do, nor beside them: two Ray nodes, an MLflow server and two DeepSpeed jobs next
+to other work oversubscribe 2 cores so far that Serve's proxies miss their 60 s start-up deadline (seen in CI).
 
 The jobs are the entrypoints of the RayJobs that `clipstream k8s stream` renders for two tasks, submitted at
 once through the Ray Jobs API (as `kubectl apply` of the stream starts them: the second waits for the first's

@@ -96,7 +96,6 @@ def tier_problem(name: str, fixtures, markers) -> str | None:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "stream(method, stage): the test uses that trained stream (tests/streams.py)")
-    config.addinivalue_line("markers", "cluster: the test uses the session's local cluster (tests/cluster.py)")
     for tier, text in (("component", "quick tier, shares the session's Ray / served app or runs a CLI process"),
                        ("e2e", "quick tier, the one end-to-end path"), ("slow", "full tier only (make test-all)")):
         config.addinivalue_line("markers", f"{tier}: {text} (tests/conftest.py TIERS)")
@@ -107,35 +106,23 @@ _BACKGROUND = pytest.StashKey()  # marker name -> the session of work it starts 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    """Work that other processes do, and the tests that wait for it run last: the method streams train in a
-    background process started now (tests/streams.py), while the other tests fill the cores that their
-    start-ups leave idle; the local cluster (tests/cluster.py) starts when the first cluster test needs it,
-    after everything else. Each is a session object with `start()` (returns at once) and `stop()` (returns
-    what it left running)."""
+    """Refuse tests without their tier; start the work that another process does while the suite runs: the method
+    streams train in a background process started now (tests/streams.py), filling the cores that the other
+    tests' start-ups leave idle; their tests, wherever they come, wait for it. The order of the tests is pytest's."""
     problems = [p for p in (tier_problem(i.nodeid, i.fixturenames, {m.name for m in i.iter_markers()}) for i in items) if p]
     if problems:
         raise pytest.UsageError("tests without their tier (tests/conftest.py):\n  " + "\n  ".join(problems))
     if config.option.collectonly:
         return
-    from tests.cluster import ClusterSession
     from tests.streams import StreamSession
 
-    background = {}
     streams = list(dict.fromkeys(tuple(m.args) for i in items for m in i.iter_markers("stream")))
-    if streams:
-        background["stream"] = StreamSession(streams, config.rootpath).start()
-    if any(i.get_closest_marker("cluster") for i in items):
-        background["cluster"] = ClusterSession()  # started by the fixture
-    config.stash[_BACKGROUND] = background
-
-    def waits(item) -> float:
-        return 3 if item.get_closest_marker("cluster") else 2 if item.get_closest_marker("stream") else 0
-    items.sort(key=waits)  # stable: the order within each group is kept
+    config.stash[_BACKGROUND] = {"stream": StreamSession(streams, config.rootpath).start()} if streams else {}
 
 
 def pytest_unconfigure(config):
-    """Stop what the session started in the background (its own processes, by their handles). A leftover is
-    said here; test_local_cluster asserts there is none."""
+    """Stop what the session started in the background (its own processes, by their handles); a leftover is
+    said here."""
     import warnings
 
     for marker, work in config.stash.get(_BACKGROUND, {}).items():
@@ -151,11 +138,20 @@ def _background(request, marker: str):
     return started
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster_session(request):
-    """The session's local cluster with its two training jobs submitted (tests/cluster.py); a test that uses it
-    must carry the `cluster` marker."""
-    return _background(request, "cluster").start()
+    """The local cluster with its two training jobs submitted (tests/cluster.py), for the module that uses it and
+    stopped after it: it starts when the background streams are done, since both beside each other oversubscribe
+    the cores (tests/cluster.py)."""
+    from tests.cluster import ClusterSession
+
+    streams = request.config.stash.get(_BACKGROUND, {}).get("stream")
+    if streams is not None:
+        streams.finished()
+    session = ClusterSession().start()
+    yield session
+    left = session.stop()
+    assert not left, f"the local cluster left processes behind: {left}"
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,8 @@ A stream is three synthetic tasks trained in turn from the CLI (`clipstream trai
 method preset and a ZeRO stage. Its jobs are mostly Ray and torch start-up, which leaves a quarter of the
 2 cores idle; the rest of the suite fills them. So when the collected tests need streams (the `stream`
 marker, see tests/conftest.py), one process started right after collection trains them all, one after
-the other, on its own local Ray, and the tests that need them run last and wait for them.
+the other, on its own local Ray, and the tests that need them wait for them (they come late in pytest's order,
+when the streams are long trained; the local cluster waits for the process to end, tests/conftest.py).
 
     python -m tests.streams ROOT METHOD:STAGE [METHOD:STAGE ...]
 
@@ -129,6 +130,13 @@ class StreamSession:
                                    f"{stage}; the end of {self.root / 'streams.log'}:\n{tail}")
             time.sleep(1)
         return home(self.root, method, stage)
+
+    def finished(self, timeout_s: float = 30 * 60) -> None:
+        """Wait for the process to end (every stream trained, or failed: `trained` says which)."""
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass  # the tests that need the streams report it; the caller only wanted the cores back
 
     def stop(self) -> list[str]:
         """SIGTERM (the process shuts its own Ray down on the way out), SIGKILL after a minute; [] when it is gone."""

@@ -14,7 +14,7 @@ import time
 import pytest
 from mlflow import MlflowClient
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

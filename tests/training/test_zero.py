@@ -184,7 +184,7 @@ def _bf16_ctp_steps(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.slow  # (two DeepSpeed engines in bf16 on gloo, 15 s: the quick tier keeps the fp32 ZeRO 0-vs-3 run)
+@pytest.mark.slow  # (two DeepSpeed engines in bf16 on gloo, 15 s)
 def test_bf16_trains_on_cpu_at_zero_0_and_3_and_exports_the_fp32_masters():
     """DeepSpeed's bf16 on CPU workers, asked for ZeRO 0 (run as BF16_Optimizer's stage 1) and 3, with CTP (momentum
     model, queues, a teacher-free first task): it trains, keeps the method's state in fp32, and exports fp32 weights, the optimizer's masters."""
@@ -303,7 +303,7 @@ def _broadcast_string(value):
     return box[0]
 
 
-@pytest.mark.component
+@pytest.mark.slow  # (2 gloo processes, 30 s: the quick tier trains at ZeRO 3 in its one trained world, `two_tasks`)
 def test_mas_and_modx_train_the_same_at_zero_0_and_3_and_zero_3_resumes_where_it_stopped():
     from tests.conftest import on_gloo
 
