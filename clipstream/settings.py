@@ -95,6 +95,8 @@ class Settings(BaseSettings):
     image_roots: list[str] = Field(default_factory=list, description="folders and URI prefixes (s3://bucket/imgs) "
                                    "outside a task that its rows may name images in by absolute path or URI: none by "
                                    "default (a task's paths stay inside it); a JSON list in CLIPSTREAM_IMAGE_ROOTS")
+    npm_registry: str = Field("https://registry.npmjs.org", description="the npm registry `clipstream data fetch` "
+                              "downloads the open image sets from (a mirror where the public one cannot be reached)")
     presets: Optional[Path] = Field(None, description="a YAML file of your own method presets, added to the "
                                     "shipped ones (same format; inherit_from may name shipped presets)")
     promote_max_forgetting: float = Field(25.0, description="a candidate's task-known mean forgetting (R points) may not exceed this")
@@ -151,6 +153,13 @@ class Settings(BaseSettings):
     @classmethod
     def _path_or_uri(cls, value):
         return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    @field_validator("npm_registry")
+    @classmethod
+    def _registry_url(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError(f"{value!r}: give the registry's http:// or https:// URL, e.g. https://registry.npmjs.org")
+        return value.rstrip("/")
 
     @field_validator("serve_app")
     @classmethod

@@ -1,4 +1,4 @@
-"""`clipstream data`: synthesise the benchmark's tasks, check a task folder."""
+"""`clipstream data`: synthesise the benchmark's tasks, import and check a task folder, fetch open image sets."""
 
 from __future__ import annotations
 
@@ -32,6 +32,50 @@ def _check(args) -> None:
         print(f"{task.name} {split}: {len(check.rows)} rows ok, {len(check.skipped)} skipped")
         for line in check.skipped:
             print(f"  skipped {line}")
+
+
+def _fetch(args) -> None:
+    import json
+
+    from clipstream.settings import Settings
+    from clipstream.training.data.sources import fetch
+
+    done = fetch(Settings(), list(dict.fromkeys(args.sources)), refetch=args.refetch)
+    rows = [{"source": f.source.name, "licence": f.source.licence, "attribution": f.source.attribution,
+             "homepage": f.source.homepage, "packages": [{"package": p.name, "version": p.version, "path": str(d)}
+                                                         for p, d in zip(f.source.packages, f.dirs)]} for f in done]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    for row in rows:
+        print(f"{row['source']}: {row['licence']}; {row['attribution']} ({row['homepage']})")
+        for package in row["packages"]:
+            print(f"  {package['package']}@{package['version']} {package['path']}")
+
+
+def _stream(args) -> None:
+    from pathlib import Path
+
+    from clipstream.cli.render import print_json
+    from clipstream.settings import Settings
+    from clipstream.training.data.emoji import DEFAULT_LANGS, TARGET_TEST_PAIRS, packages, write_stream
+    from clipstream.training.data.sources import package_dir
+
+    if args.langs and args.name != "emoji-languages":
+        raise ValueError("--langs chooses the locales of emoji-languages; the other streams are captioned in English")
+    settings = Settings()
+    roots = {package: package_dir(settings, source, package) for source, package in packages(args.name)}
+    written = write_stream(args.name, Path(args.out), roots, seed=args.seed, test_fraction=args.test_fraction,
+                           image_size=args.image_size, langs=args.langs or DEFAULT_LANGS)
+    if args.json:
+        return print_json({"stream": args.name, "out": args.out, "tasks": [w.summary() for w in written]})
+    for w in written:
+        c = w.counts
+        print(f"{w.task.root}: train {c['train_pairs']} pairs ({c['train_concepts']} concepts), test {c['test_pairs']} "
+              f"pairs ({c['test_concepts']} concepts), {w.seconds:.0f} s")
+    small = [f"{w.task.name} ({w.counts['test_pairs']})" for w in written if w.counts["test_pairs"] < TARGET_TEST_PAIRS]
+    if small:  # (the concept split is shared: a small group has few test concepts; its Rm is the noisier for it)
+        print(f"test galleries under {TARGET_TEST_PAIRS} pairs: {', '.join(small)}", file=console.err())
 
 
 def _import(args) -> None:

@@ -149,6 +149,35 @@ def parser() -> argparse.ArgumentParser:
                        help="fail: exit 2 at the first bad row; skip: list the bad rows and go on")
     check.set_defaults(func=data._check)
 
+    from clipstream.training.data.sources import SOURCES
+
+    fetch = ds.add_parser("fetch", help="download openly licensed image sets (emoji, icons) from the npm registry, "
+                          "checked against their pinned integrity, into HOME/sources")
+    fetch.add_argument("sources", nargs="+", choices=list(SOURCES), metavar="SOURCE",
+                       help=f"one or more of {', '.join(SOURCES)}")
+    fetch.add_argument("--refetch", action="store_true", help="download again and replace the cached copy (one "
+                       "reported damaged: without this, a damaged copy is an error and left as it is)")
+    fetch.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
+    fetch.set_defaults(func=data._fetch)
+
+    # (the names of clipstream.training.data.emoji.STREAMS, not imported: every command builds this parser)
+    emoji = ds.add_parser("stream", help="write a stream of tasks from fetched emoji and icon sets (`data fetch`): "
+                          "real pictures, CLDR captions in 28 locales, one concept split shared by every stream")
+    emoji.add_argument("name", choices=("emoji-styles", "emoji-groups", "emoji-languages", "pretrain"),
+                       help="emoji-styles: Twemoji, Noto, OpenMoji (a new look per task); emoji-groups: one task per "
+                            "CLDR group or pair of groups (new concepts); emoji-languages: the same images captioned in a new language "
+                            "per task; pretrain: one task for version 0 (Tabler icons, OpenMoji line art of train "
+                            "concepts)")
+    emoji.add_argument("--out", required=True, metavar="DIR", help="where the task folders go (new or empty)")
+    emoji.add_argument("--seed", type=int, default=0, help="the seed of the concept split and of caption sampling")
+    emoji.add_argument("--image-size", type=int, default=64, help="image side in pixels (the model preset's input)")
+    emoji.add_argument("--langs", nargs="+", metavar="LOCALE", help="emoji-languages: the captions' locales in stream "
+                       "order (default en de ja hi ru zh; any of emojibase's 28, e.g. fr ko pt zh-hant)")
+    emoji.add_argument("--test-fraction", type=float, default=0.27, help="share of each CLDR group's concepts held out "
+                       "as test concepts, for every stream and the pretraining corpus alike")
+    emoji.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
+    emoji.set_defaults(func=data._stream)
+
     def training_args(q, method: bool = True):
         if method:
             q.add_argument("--method", default="finetune", help=f"a method preset: {', '.join(shipped)}; each also "

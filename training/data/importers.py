@@ -17,7 +17,7 @@ import json
 import os
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -36,6 +36,7 @@ class Pair:
     caption: str
     split: Optional[str] = None  # from the source, where it has one
     key: str = ""  # which image: its captions stay on one side of a random split
+    fields: dict = field(default_factory=dict)  # more of the row: a language task's `lang` and `caption_en`
 
 
 def read_pairs(fmt: str, source: Path, image_root: Optional[Path] = None, img_key: Optional[str] = None,
@@ -127,8 +128,9 @@ def _pair(where: str, root: Path, image, caption, split: Optional[str] = None, k
 
 def import_task(pairs: Iterator[Pair], out: Path, name: str, *, split: Optional[str] = None,
                 test_fraction: float = 0.1, seed: int = 0, kind: str = "domain", lang: Optional[str] = None,
-                description: str = "") -> Task:
-    """Write the task directory `out` (new or empty) from `pairs` and return it, checked."""
+                description: str = "", index: int | None = None, metadata: dict | None = None) -> Task:
+    """Write the task directory `out` (new or empty) from `pairs` and return it, checked; `index` (its place in a
+    stream) and `metadata` (free-form: provenance, protocol) go into task.yaml."""
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty: import into a new folder")
     if not 0 < test_fraction < 1:
@@ -141,14 +143,14 @@ def import_task(pairs: Iterator[Pair], out: Path, name: str, *, split: Optional[
     test_keys = set(random.Random(seed).sample(keys, share))
     out.mkdir(parents=True, exist_ok=True)
     try:
-        return _write(pairs, out, name, split, test_keys, kind, lang, description)
+        return _write(pairs, out, name, split, test_keys, kind, lang, description, index, metadata)
     except BaseException:
         shutil.rmtree(out)  # (a new or empty folder: nothing of the user's is in it)
         raise
 
 
 def _write(pairs: list[Pair], out: Path, name: str, split: Optional[str], test_keys: set, kind: str,
-           lang: Optional[str], description: str) -> Task:
+           lang: Optional[str], description: str, index: int | None, metadata: dict | None) -> Task:
     rows: dict[str, list[dict]] = {}
     placed: dict[str, str] = {}  # one file per source image, however many captions it has
     for n, p in enumerate(pairs):
@@ -166,13 +168,14 @@ def _write(pairs: list[Pair], out: Path, name: str, split: Optional[str], test_k
         # ids carry the task's name, as the synthetic tasks' do: every task's items share the vector index, where an
         # id must be unique across tasks (two imports would otherwise both hold "test-0000000")
         rows.setdefault(where, []).append({"id": f"{name}-{where}-{len(rows.get(where, [])):07d}", "image": placed[key],
-                                           "caption": p.caption})
+                                           "caption": p.caption, **p.fields})
     for where, split_rows in rows.items():
         with open(out / f"{where}.jsonl", "w", encoding="utf-8", newline="\n") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in split_rows)
     meta = {"name": name, "kind": kind, **({"lang": lang} if lang else {}),
+            **({"index": index} if index is not None else {}),
             "description": description or f"imported: {len(pairs)} pairs, {len(placed)} images",
-            "splits": {where: f"{where}.jsonl" for where in sorted(rows)}}
+            "splits": {where: f"{where}.jsonl" for where in sorted(rows)}, **({"metadata": metadata} if metadata else {})}
     (out / "task.yaml").write_text(yaml.safe_dump(meta, sort_keys=False), encoding="utf-8")
     task = Task.load(out)
     for where in task.splits:
