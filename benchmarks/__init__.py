@@ -6,7 +6,8 @@ Every figure is measured side by side against its baseline in the same run."""
 BENCHMARKS = {
     "all": "suite",  # every cost benchmark below in one run (--quick: small sizes), with the summary of targets
     "methods": "continual_methods",  # every continual method on one stream: AA, forgetting, BWT, step cost
-    "languages": "languages",  # CLL-CLIP and TEIR on a language stream against fine-tuned token embeddings
+    "languages": "languages",
+    "world": "world",  # version 0 of the emoji world pretrained here, on each stream's first task, against its floors  # CLL-CLIP and TEIR on a language stream against fine-tuned token embeddings
     "index-policy": "index_policy",  # no-reindex vs reindex through the vector index
     "method-step": "method_step",  # each method's training step against finetune's, same batches
     "train-throughput": "train_throughput",  # the task job against a plain PyTorch open_clip loop

@@ -53,8 +53,17 @@ GROUP_TASKS = {"smileys-people": ("smileys-emotion", "people-body"), "animals-na
                "activities-objects": ("activities", "objects"), "symbols-flags": ("symbols", "flags")}
 NOT_CONCEPTS = ("component",)  # skin-tone swatches and hair parts: pieces of emoji, not emoji
 TAG_CAPTIONS, TAGS_PER_CAPTION = 2, 3
+COLOUR_STYLES = ("fluent-flat", "fluent-3d", "emojione")  # version 0's colour styles (Iconify's packages): no stream's
 GALLERY_FRACTION = 0.1  # of the pretraining corpus: its own test, as `data import` holds out by default
 TARGET_TEST_PAIRS = 500  # a gallery smaller than this is reported: its Rm moves by points from a few items
+# `clipstream demo`'s short stream: German, then English captions of the same Twemoji (English last: three of its four
+# searches are English), over a seeded few concepts of three groups. Not one of STREAMS (`data stream`): it trains on
+# the concepts its searches look for (query -> the English label of the emoji it should find), whatever the shared
+# split says, so its scores are not the other streams'.
+DEMO_STREAM, DEMO_LANGS = "emoji-demo", ("de", "en")
+DEMO_GROUPS, DEMO_CONCEPTS = ("food-drink", "animals-nature", "flags"), 150
+DEMO_SEARCHES = {"red apple": "red apple", "dog face": "dog face", "flag: Japan": "flag: Japan",
+                 "roter Apfel": "red apple"}
 
 
 @dataclass
@@ -82,7 +91,8 @@ def codepoints(hexcode: str) -> str:
 def packages(stream: str) -> list[tuple[str, str]]:
     """(source, npm package) of every package `stream` reads: the roots `write_stream` takes, keyed by package."""
     needs = {"emoji-styles": ("twemoji", "noto", "openmoji"), "emoji-groups": ("twemoji",),
-             "emoji-languages": ("twemoji",), "pretrain": ("openmoji", "tabler")}[stream] + ("emoji-captions",)
+             "emoji-languages": ("twemoji",), DEMO_STREAM: ("twemoji",), "pretrain": ("openmoji", "tabler", "fluent", "emojione")
+             }[stream] + ("emoji-captions",)
     return [(s, p.name) for s in needs for p in SOURCES[s].packages]
 
 
@@ -133,6 +143,25 @@ def _style_images(style: str, root: Path) -> dict[str, Path]:
     return {codepoints(e["hexcode"]): root / folder / f"{e['hexcode']}.svg" for e in entries}
 
 
+def iconify_images(root: Path, names: dict[str, str]) -> dict[str, str]:
+    """An Iconify icon set's images (its `icons.json`) as SVG documents, keyed by the codepoints `names` gives each
+    icon name (an alias draws its parent)."""
+    data = json.loads((root / "icons.json").read_text(encoding="utf-8"))
+    icons, aliases = data["icons"], data.get("aliases", {})
+    found = {}
+    for name in [*icons, *aliases]:
+        icon = icons.get(name) or icons.get(aliases[name].get("parent"), {})
+        if name in names and "body" in icon:
+            box = [icon.get(k, data.get(k, d)) for k, d in (("left", 0), ("top", 0), ("width", 16), ("height", 16))]
+            found.setdefault(names[name], f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="{" ".join(map(str, box))}">'
+                                          f'{icon["body"]}</svg>')
+    return found
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
 def held_out(strata: dict[str, list[str]], fraction: float, seed: int) -> set[str]:
     """A seeded `fraction` of each stratum's keys; each stratum drawn with its own RNG, so adding a group or a source
     does not move the others' draws."""
@@ -148,6 +177,16 @@ def concept_split(cat: Catalogue, seed: int, test_fraction: float) -> set[str]:
     for base, group in cat.groups.items():
         strata[group].append(base)
     return held_out(strata, test_fraction, seed)
+
+
+def demo_concepts(cat: Catalogue, seed: int) -> tuple[set[str], set[str]]:
+    """The demo stream's base concepts, and those of them its searches look for: these, and a seeded draw of the
+    others of DEMO_GROUPS up to DEMO_CONCEPTS."""
+    searched = {k for k, (label, _) in cat.captions["en"].items()
+                if label in DEMO_SEARCHES.values() and cat.bases[k] == k}
+    pool = sorted(k for k, group in cat.groups.items() if group in DEMO_GROUPS and k not in searched)
+    drawn = random.Random(f"{seed}:{DEMO_STREAM}").sample(pool, max(0, min(len(pool), DEMO_CONCEPTS - len(searched))))
+    return searched | set(drawn), searched
 
 
 def captions_for(label: str, tags: list[str], seed: int, where: str, test: bool) -> list[str]:
@@ -168,17 +207,20 @@ def _untested(keys: list[str], cat: Catalogue, style: str, test: set[str]) -> li
     """`keys` less the train images whose file is byte-identical to a test concept's in `style`: sets draw some
     concepts alike (flags of territories as their country's, Twemoji's families, OpenMoji's "student" and "man
     student"), and training on such a picture would be training on a test image under another caption."""
-    digest = {k: hashlib.sha256(f.read_bytes()).digest() for k, f in cat.images[style].items()}
+    digest = {k: hashlib.sha256(f.encode() if isinstance(f, str) else f.read_bytes()).digest()
+              for k, f in cat.images[style].items()}
     tested = {digest[k] for k in test if k in digest}
     return [k for k in keys if cat.bases[k] in test or digest[k] not in tested]
 
 
-def render(source: Path, size: int) -> Image.Image:
-    """`source` (PNG or SVG) as a `size`-px RGB image on white; SVGs drawn at that size (crisp at any size)."""
-    if source.suffix.lower() == ".svg":
+def render(source: Path | str, size: int) -> Image.Image:
+    """`source` (a PNG or SVG file, or an SVG document as text) as a `size`-px RGB image on white; SVGs drawn at that
+    size (crisp at any size)."""
+    if isinstance(source, str) or source.suffix.lower() == ".svg":
         import cairosvg  # (cairosvg's default refuses external files and entities an SVG may name)
 
-        source = io.BytesIO(cairosvg.svg2png(url=str(source), output_width=size, output_height=size))
+        drawn = {"bytestring": source.encode()} if isinstance(source, str) else {"url": str(source)}
+        source = io.BytesIO(cairosvg.svg2png(**drawn, output_width=size, output_height=size))
     with Image.open(source) as opened:
         image = opened.convert("RGBA")
     flat = Image.new("RGBA", image.size, "white")
@@ -191,16 +233,25 @@ class _Renderer:
     """Renders each (style, image) once into a folder beside the tasks: tasks that share an image hard-link one file."""
 
     def __init__(self, folder: Path, size: int, progress: bool):
-        self.folder, self.size, self.progress, self.done = folder, size, progress, {}
+        self.folder, self.size, self.progress, self.done, self.undrawable = folder, size, progress, {}, []
 
-    def __call__(self, items: list[tuple[str, str, Path]], desc: str) -> dict[tuple[str, str], Path]:
+    def __call__(self, items: list[tuple[str, str, Path | str]], desc: str) -> dict[tuple[str, str], Path]:
+        """The rendered file of each (style, key, source); an SVG given as text that cairo cannot draw is left out
+        (`self.undrawable`): a few of Fluent's 3D emoji ask cairo for more memory than it will give."""
         todo = [i for i in dict.fromkeys(items) if i[:2] not in self.done]
         for style, key, source in console.bar(iterable=todo, desc=desc, unit="img", disable=not self.progress):
-            if not source.is_file():
+            if isinstance(source, Path) and not source.is_file():
                 raise DataError(f"{source}: image missing from the package; fetch it again (`clipstream data fetch "
                                 "--refetch`)")
             path = self.folder / f"{style}-{key}.png"
-            render(source, self.size).save(path, format="PNG")
+            try:
+                image = render(source, self.size)
+            except MemoryError:
+                if isinstance(source, Path):
+                    raise
+                self.undrawable.append((style, key))
+                continue
+            image.save(path, format="PNG")
             self.done[style, key] = path
         return self.done
 
@@ -252,13 +303,14 @@ def write_stream(name: str, out: Path, roots: dict[str, Path], *, seed: int = 0,
                  image_size: int = 64, langs: Iterable[str] = DEFAULT_LANGS, progress: bool = True) -> list[Written]:
     """Write the task folders of stream `name` under `out` (new or empty) from the package roots `roots` (npm package
     name -> its unpacked `package/` folder, `packages(name)` lists them); return them in stream order."""
-    if name not in STREAMS:
+    if name not in (*STREAMS, DEMO_STREAM):
         raise ValueError(f"unknown stream {name!r}: one of {', '.join(STREAMS)}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not empty: write the stream into a new folder")
     if image_size < 16:
         raise ValueError(f"image_size must be >= 16, got {image_size}")
-    langs = list(dict.fromkeys(langs)) if name == "emoji-languages" else ["en"]
+    langs = list(dict.fromkeys(langs)) if name == "emoji-languages" else list(DEMO_LANGS) if name == DEMO_STREAM \
+        else ["en"]
     missing = [p for _, p in packages(name) if p not in roots]
     if missing:
         raise ValueError(f"no package root for {', '.join(missing)}")
@@ -281,30 +333,38 @@ def write_stream(name: str, out: Path, roots: dict[str, Path], *, seed: int = 0,
 
 def _emoji_stream(name: str, out: Path, roots: dict, renderer: _Renderer, seed: int, test_fraction: float,
                   langs: list[str]) -> list[Written]:
-    """One mechanism for the three streams: a task is a (style, locale, CLDR groups) on the shared split."""
+    """One mechanism for the streams: a task is a (style, locale, CLDR groups) on the shared split."""
     specs = {"emoji-styles": [(s, "en", None) for s in ("twemoji", "noto", "openmoji")],
              "emoji-groups": [("twemoji", "en", g) for g in GROUP_TASKS],
-             "emoji-languages": [("twemoji", lang, None) for lang in langs]}[name]
+             "emoji-languages": [("twemoji", lang, None) for lang in langs],
+             DEMO_STREAM: [("twemoji", lang, None) for lang in langs]}[name]
     styles = {s: roots[SOURCES[STYLES[s][0]].packages[0].name] for s, _, _ in specs}
     cat = read_catalogue(roots["emojibase-data"], langs, styles)
     test = concept_split(cat, seed, test_fraction)
     # a stream's tasks share their concepts: those with a base image in every style it uses
     shared = set.intersection(*({cat.bases[k] for k in cat.images[s] if cat.bases[k] == k} for s in styles))
+    languages = name in ("emoji-languages", DEMO_STREAM)
+    if name == DEMO_STREAM:  # a few concepts, the searched ones trained on
+        concepts, searched = demo_concepts(cat, seed)
+        shared, test = shared & concepts, test - searched
     written = []
     for i, (style, lang, group) in enumerate(specs):
         started = time.monotonic()
-        suffix = {"emoji-styles": style, "emoji-groups": group, "emoji-languages": lang}[name]
+        suffix = {"emoji-styles": style, "emoji-groups": group, "emoji-languages": lang, DEMO_STREAM: lang}[name]
         groups = GROUP_TASKS.get(group, tuple(set(cat.groups.values())))
         chosen = _untested([k for k in sorted(cat.images[style]) if cat.bases[k] in shared
                             and cat.groups[cat.bases[k]] in groups and (cat.bases[k] not in test or cat.bases[k] == k)],
                            cat, style, test)
+        if name == DEMO_STREAM and searched - {cat.bases[k] for k in chosen}:  # (drawn like a test concept)
+            raise DataError(f"the demo's searched emoji {sorted(searched - {cat.bases[k] for k in chosen})} would not "
+                            "be trained on")
         files = renderer([(style, k, cat.images[style][k]) for k in chosen], f"{name}-{i:02d}-{suffix}")
         pairs = []
         for k in chosen:
             split = "test" if cat.bases[k] in test else "train"
             label, tags = cat.captions[lang][k]
             extra = {"label": cat.captions["en"][cat.bases[k]][0],
-                     **({"caption_en": cat.captions["en"][k][0], "lang": lang} if name == "emoji-languages" else {})}
+                     **({"caption_en": cat.captions["en"][k][0], "lang": lang} if languages else {})}
             pairs += [Pair(f"{cat.bases[k]}:{k}", files[style, k], c, split, str(files[style, k]), extra)
                       for c in captions_for(label, tags, seed, f"{lang}:{k}", split == "test")]
         source = STYLES[style][0]
@@ -312,14 +372,20 @@ def _emoji_stream(name: str, out: Path, roots: dict, renderer: _Renderer, seed: 
                 "protocol": _protocol(seed, test_fraction, renderer.size, test, cat),
                 "test_concepts": sorted({cat.bases[k] for k in chosen} & test),
                 "sources": _sources(roots, [source, "emoji-captions"])}
-        said = f"captions in {lang}" if name == "emoji-languages" else "English captions"
-        if name == "emoji-languages":  # (two locales' tags are not translations of each other: the label is)
+        said = f"captions in {lang}" if languages else "English captions"
+        if languages:  # (two locales' tags are not translations of each other: the label is)
             meta["protocol"]["captions"]["caption_en"] = "every row's: the image's English CLDR label"
+        what = ', '.join(GROUP_TASKS.get(group, ['all CLDR groups']))
+        if name == DEMO_STREAM:
+            what = f"{len(shared)} concepts of {', '.join(DEMO_GROUPS)}"
+            named = ", ".join(sorted(cat.captions["en"][k][0] for k in searched))
+            meta["protocol"]["split"]["demo"] = (f"{what}: the searched ones ({named}) and a seeded draw of the "
+                                                 "others; the searched ones are trained on whatever the shared split "
+                                                 "says: this stream's test concepts are the shared split's, less those")
         written.append(_import(pairs, out / f"{name}-{i:02d}-{suffix}", meta, started, index=i,
-                              kind="language" if name == "emoji-languages" else "domain",
-                              lang=lang if name == "emoji-languages" else None,
-                              description=f"{style} emoji ({', '.join(GROUP_TASKS.get(group, ['all CLDR groups']))}), "
-                                          f"{said} (CLDR labels and tags); task {i + 1} of {len(specs)} of {name}"))
+                              kind="language" if languages else "domain", lang=lang if languages else None,
+                              description=f"{style} emoji ({what}), {said} (CLDR labels and tags); task {i + 1} of "
+                                          f"{len(specs)} of {name}"))
     return written
 
 
@@ -343,15 +409,28 @@ def _pretrain(out: Path, roots: dict[str, Path], renderer: _Renderer, seed: int,
     test = concept_split(cat, seed, test_fraction)
     emoji = [k for k in _untested([k for k in sorted(cat.images["openmoji-black"]) if cat.bases[k] == k], cat,
                                   "openmoji-black", test) if k not in test]
+    # colour styles no stream shows: Fluent's flat and 3D sets (their icons named in the flat set's chars.json) and
+    # Emoji One's (its icons named as the CLDR English labels, which is how Iconify names them)
+    flat = roots["@iconify-json/fluent-emoji-flat"]
+    by_char = {name: codepoints(hexcode) for hexcode, name in
+               json.loads((flat / "chars.json").read_text(encoding="utf-8")).items()}
+    by_label = {_slug(label): k for k, (label, _) in cat.captions["en"].items()}
+    for style, root, names in (("fluent-flat", flat, by_char), ("fluent-3d", roots["@iconify-json/fluent-emoji"], by_char),
+                               ("emojione", roots["@iconify-json/emojione"], by_label)):
+        cat.images[style] = {k: svg for k, svg in iconify_images(root, names).items() if k in cat.bases}
+    colour = {style: [k for k in _untested(sorted(k for k in cat.images[style] if cat.bases[k] == k), cat, style, test)
+                      if k not in test] for style in COLOUR_STYLES}
     png, meta_root = roots["@tabler/icons-png"], roots["@tabler/icons"]
     icons = json.loads((meta_root / "icons.json").read_text(encoding="utf-8"))
     # an icon named as a test concept ("skull", "rocket") is that concept in another style: not pretrained on either
     tested = {cat.captions["en"][k][0].lower() for k in test}
     found = sorted((style, f.stem, f) for style in ("outline", "filled") for f in (png / "icons" / style).glob("*.png"))
     drawn = [(s, n, f) for s, n, f in found if _plain(n) not in tested]
-    gallery = held_out({"tabler": sorted({n for _, n, _ in drawn}), "openmoji-black": emoji}, GALLERY_FRACTION, seed)
+    concepts = sorted(set(emoji).union(*colour.values()))  # a gallery concept is held out in every style
+    gallery = held_out({"tabler": sorted({n for _, n, _ in drawn}), "emoji": concepts}, GALLERY_FRACTION, seed)
+    colour["openmoji-black"] = emoji
     files = renderer([(f"tabler-{s}", n, f) for s, n, f in drawn]
-                     + [("openmoji-black", k, cat.images["openmoji-black"][k]) for k in emoji], out.name)
+                     + [(style, k, cat.images[style][k]) for style, keys in colour.items() for k in keys], out.name)
     pairs = []
     for style, icon, _ in drawn:  # an icon's outline and filled images on the same side
         info = icons.get(icon, {})  # (an icon renamed since the PNGs were made: its file name is all there is)
@@ -361,21 +440,27 @@ def _pretrain(out: Path, roots: dict[str, Path], renderer: _Renderer, seed: int,
         split = "test" if icon in gallery else "train"
         pairs += [Pair(f"tabler-{icon}:{style}", path, c, split, str(path), {"label": " ".join(icon.split("-"))})
                   for c in captions_for(label, tags, seed, f"tabler:{style}:{icon}", split == "test")]
-    for k in emoji:
-        path, split = files["openmoji-black", k], "test" if k in gallery else "train"
-        pairs += [Pair(f"{k}:{k}", path, c, split, str(path), {"label": cat.captions["en"][k][0]})
-                  for c in captions_for(*cat.captions["en"][k], seed, f"en:{k}", split == "test")]
+    for style, keys in colour.items():
+        for k in keys:
+            if (style, k) not in files:  # (undrawable)
+                continue
+            path, split = files[style, k], "test" if k in gallery else "train"
+            pairs += [Pair(f"{k}:{k}", path, c, split, str(path), {"label": cat.captions["en"][k][0]})
+                      for c in captions_for(*cat.captions["en"][k], seed, f"{style}:en:{k}", split == "test")]
     leaked = {p.where.split(":")[0] for p in pairs} & test
     if leaked:  # the corpus is version 0's training data: a stream test concept in it would void every test score
         raise RuntimeError(f"pretraining corpus holds stream test concepts {sorted(leaked)[:5]}")
     protocol = _protocol(seed, test_fraction, renderer.size, test, cat)
     protocol.pop("skins")  # (base images only: a line drawing shows no skin tone)
+    counts = ", ".join(f"{style} {sum((style, k) in files for k in keys)}" for style, keys in colour.items())
     protocol["corpus"] = (f"Tabler icons (outline and filled; label: the icon's name words, + ' filled'; tags: its tags "
-                          f"and category) and OpenMoji black line art of {len(emoji)} train concepts (base images, "
-                          f"English); no stream test concept; its own test: {GALLERY_FRACTION:.0%} of the icons and of "
-                          f"those concepts, drawn per source with seed {seed}; {len(found) - len(drawn)} icon images "
-                          "left out: named as a test concept (English label, case and a trailing number aside)")
+                          f"and category) and the emoji streams' train concepts in styles no stream shows: OpenMoji's "
+                          f"black line art and the colour sets Fluent (flat and 3D) and Emoji One (base images, English; "
+                          f"images per style: {counts}); no stream test concept; its own test: {GALLERY_FRACTION:.0%} of "
+                          f"the icons and of the emoji concepts (in every style), drawn per source with seed {seed}; "
+                          f"{len(found) - len(drawn)} icon images left out: named as a test concept (English label, case "
+                          f"and a trailing number aside); {len(renderer.undrawable)} SVGs cairo could not draw")
     meta = {"stream": "pretrain", "protocol": protocol,
-            "sources": _sources(roots, ["tabler", "openmoji", "emoji-captions"])}
-    return _import(pairs, out, meta, started, description="pretraining corpus for version 0: Tabler icons and OpenMoji "
-                  "black line art of the emoji streams' train concepts, English captions")
+            "sources": _sources(roots, ["tabler", "openmoji", "fluent", "emojione", "emoji-captions"])}
+    return _import(pairs, out, meta, started, description="pretraining corpus for version 0: Tabler icons and the emoji "
+                  "streams' train concepts in styles no stream shows (OpenMoji line art, Fluent, Emoji One), English")

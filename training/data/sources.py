@@ -101,6 +101,16 @@ SOURCES = {s.name: s for s in (
                       Package("@tabler/icons", "3.52.0", "sha512-dldKlJNfO/gZnGLcIY0X2EFFKIMGwL/rEvTqglvBgAPFiwj9pZO"
                               "CN5V3Sf0Gyjq6foX4VQmLdOmsS4w5FdWKAw==")),
            "MIT", "Tabler Icons by Paweł Kuna", "https://tabler.io/icons"),
+    # colour styles that no stream shows, for version 0's pretraining only, as Iconify's packages of each set (the
+    # SVG bodies in icons.json; the flat set's chars.json names each icon's codepoints, and the 3D set shares its names)
+    Source("fluent", (Package("@iconify-json/fluent-emoji-flat", "1.2.6", "sha512-RY47RgPb47fYUiyrA64sIOL0+UU02s29sXpN"
+                              "BbIQRBUlPlfNFTKUmZDERGuxDs/7yNGWqQYvuaSYM1M4fRXlUw=="),
+                      Package("@iconify-json/fluent-emoji", "1.2.7", "sha512-D8G6bKAyIsyxP1rzZtIWr/gg/fO4Rg1+DyCWlfqKK4h8W+4"
+                              "Em/Y0P6QYgJUQTlUcagzJvSyg+9OBv4hz4Hc/QA==")),
+           "MIT", "Fluent Emoji by Microsoft Corporation, packaged by Iconify", "https://github.com/microsoft/fluentui-emoji"),
+    Source("emojione", (Package("@iconify-json/emojione", "1.2.3", "sha512-T9+T3HIbJNLKKsmxYKlaYhvnHYkz/HNYTV7SHCXVZPf"
+                                "eUi4FqskY70YeN8yYAZT8cCv7w5vJxS4Q1m8zb9CMMg=="),),
+           "CC-BY-4.0", "Emoji One (version 2) art by Emoji One, packaged by Iconify", "https://github.com/EmojiTwo/emojitwo"),
     Source("emoji-captions", (Package("emojibase-data", "17.0.0", "sha512-Yvgb5AWoHViHV/gq1qr5ZAarcBip+B27/ZLRsUJkbgAEa"
                                       "LlZ/fof9g882LTpmEpyhBNEC0m2SEmItljHsTygjA=="),),
            "MIT (emojibase-data), Unicode-3.0 (CLDR annotations)", "Emojibase by Miles Johnson, over the Unicode CLDR "

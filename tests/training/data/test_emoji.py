@@ -63,7 +63,7 @@ def roots(tmp_path_factory):
     top = tmp_path_factory.mktemp("sources")
     roots = {name: top / name.replace("/", "+") / "package" for name in (
         "emojibase-data", "emoji-datasource-twitter", "emoji-datasource-google", "openmoji", "@tabler/icons-png",
-        "@tabler/icons")}
+        "@tabler/icons", "@iconify-json/fluent-emoji-flat", "@iconify-json/fluent-emoji", "@iconify-json/emojione")}
     for name, root in roots.items():
         _write_json(root / "package.json", {"name": name, "version": "1.2.3"})
     entries = _entries()
@@ -105,6 +105,22 @@ def roots(tmp_path_factory):
             rgb = (0, 0, 0) if colour == "black" else tuple(digest[:3])
             (om / colour / "svg").mkdir(parents=True, exist_ok=True)
             (om / colour / "svg" / f"{e['hexcode']}.svg").write_text(_svg(rgb, 10 + digest[3] % 20))
+    # Iconify's sets: SVG bodies in icons.json; Fluent's flat set names each icon's codepoints in chars.json (its 3D
+    # set shares the names), Emoji One's icons are named as the English labels; an alias draws its parent
+    concepts = [e for e in entries if "tags" in e]
+    slug = {e["hexcode"]: e["label"].replace(" ", "-") for e in concepts}
+    for package, radius in (("@iconify-json/fluent-emoji-flat", 5), ("@iconify-json/fluent-emoji", 9),
+                            ("@iconify-json/emojione", 13)):
+        icons = {slug[e["hexcode"]]: {"body": f'<circle cx="16" cy="16" r="{radius}" fill="rgb'
+                                              f'{tuple(hashlib.sha256((package + e["hexcode"]).encode()).digest()[:3])}"/>'}
+                 for e in concepts}
+        first = next(iter(icons))
+        _write_json(roots[package] / "icons.json", {"prefix": "x", "width": 32, "height": 32,
+                                                    "icons": {f"renamed-{first}" if package.endswith("emojione") else
+                                                              first: icons.pop(first), **icons},
+                                                    "aliases": {first: {"parent": f"renamed-{first}"}}})
+    _write_json(roots["@iconify-json/fluent-emoji-flat"] / "chars.json",
+                {e["hexcode"].lower(): slug[e["hexcode"]] for e in concepts})
     # ten icons, and one named as each concept (`-2`: Tabler numbers its variants), some of them test concepts
     names = [f"icon-{k}" for k in range(10)] + [e["label"].replace(" ", "-") + "-2" for e in entries if "tags" in e]
     icons = {n: {"name": n, "category": "Shapes", "tags": ["shape", k, f"thing {k}"], "styles": {"outline": {}}}
@@ -228,7 +244,7 @@ def test_an_image_drawn_like_a_test_concepts_is_not_trained_on(streams, roots):
         assert len(_concepts(w.task, "test") & flags) == 1 and not _concepts(w.task, "train") & flags
 
 
-def test_pretraining_corpus_is_line_art_and_icons_of_train_concepts(streams, roots):
+def test_pretraining_corpus_is_icons_and_train_concepts_in_styles_no_stream_shows(streams, roots):
     [written] = streams["pretrain"]
     task = written.task
     assert task.name == "emoji-pretrain" and set(task.splits) == {"train", "test"}
@@ -241,6 +257,16 @@ def test_pretraining_corpus_is_line_art_and_icons_of_train_concepts(streams, roo
     named = {label.removesuffix(" 2") for label in labels - icons}  # an icon named as a concept, or its line art
     assert named == stream_trains and not named & stream_tests
     assert f"{len(stream_tests)} icon images left out" in task.meta["metadata"]["protocol"]["corpus"]
+    # each emoji concept in the colour styles no stream shows, Fluent's flat and 3D and Emoji One's (an icon reached
+    # through an alias included), and in OpenMoji's line art but where it is drawn like a test concept
+    images = {}
+    for split in task.splits:
+        for r in _rows(task, split):
+            images.setdefault(r["label"], set()).add(r["image"]) if r["label"] in named else None
+    assert images.keys() == named and {len(found) for found in images.values()} == {3, 4}
+    n = len(named)
+    assert f"fluent-flat {n}, fluent-3d {n}, emojione {n}, openmoji-black {sum(len(f) == 4 for f in images.values())}" \
+        in task.meta["metadata"]["protocol"]["corpus"]
 
 
 def test_task_yaml_records_protocol_sources_and_licences(streams):

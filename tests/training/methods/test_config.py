@@ -39,7 +39,8 @@ def test_shipped_presets_resolve_with_all_base_keys_and_build_their_methods():
     from clipstream.training.methods import build
 
     presets = load_presets()
-    assert set(presets) == {"base", *SHIPPED, *(f"{name}-{scale}" for name in SHIPPED for scale in SCALES)}
+    assert set(presets) == {"base", *SHIPPED, *(f"{name}-{scale}" for name in SHIPPED for scale in SCALES),
+                            "pretrain-emoji"}  # (version 0 of the emoji world: finetune's lifecycle, its own model)
     base = presets["base"]
     for name, components in SHIPPED.items():
         config = resolve(name)
@@ -54,6 +55,8 @@ def test_shipped_presets_resolve_with_all_base_keys_and_build_their_methods():
         assert stack.name == name and [c.name for c in stack.components] == components
         assert all(c.params == config["method"][c.name] for c in stack.components)
     assert resolve("finetune")["model"]["arch"] == "clipstream-vit-tiny"
+    assert resolve("pretrain-emoji")["model"]["arch"] == "clipstream-vit-emoji"
+    assert build(resolve("pretrain-emoji")).components == []
     assert resolve("finetune")["train"]["lr"] == pytest.approx(1e-3)
     assert resolve("ctp_er")["method"]["er"] == resolve("er")["method"]["er"]  # composed, each with its own params
 
