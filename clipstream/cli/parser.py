@@ -91,9 +91,9 @@ EXAMPLES = {
   clipstream controller --source data/stream --name s --jobs-api http://127.0.0.1:8265 --once
   clipstream k8s stream --tasks s3://b/t0 s3://b/t1 --name s | kubectl apply -f -   # resumed by the controller""",
     "demo": """examples:
-  clipstream demo                     # 3 domain tasks + digits, finetune, then indexing and searches
+  clipstream demo                     # real emoji, German then English captions, er, then indexing and searches
   clipstream demo --method ewc --no-serve
-  clipstream demo --tasks 2 --set train.epochs=1""",
+  clipstream demo --world synthetic --tasks 2 --set train.epochs=1""",
 }
 
 
@@ -421,10 +421,17 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
     bench.set_defaults(func=training._bench)
 
-    dm = sub.add_parser("demo", help="synthesise a stream, train it task by task, show the R matrix")
-    dm.add_argument("--out", metavar="DIR", help="where the demo's synthetic tasks go (default: a new "
-                    "demo-DATE-TIME folder in Settings data_dir)")
-    dm.add_argument("--tasks", type=int, default=3, help="domain tasks (the digits task is added last)")
+    dm = sub.add_parser("demo", help="train a short stream task by task, show the R matrix, serve and search it")
+    dm.add_argument("--world", choices=("emoji", "synthetic"), default="emoji",
+                    help="emoji: Twemoji captioned by their CLDR labels and tags, in German then in English (fetched "
+                         "from the npm registry into HOME/sources the first time, ~65 MB), trained with er (experience "
+                         "replay) unless --method, then searched for named emoji; synthetic: synthesised domain tasks + "
+                         "handwritten digits, trained with finetune unless --method, also what the demo falls back to "
+                         "when the registry cannot be reached")
+    dm.add_argument("--out", metavar="DIR", help="where the demo's tasks go (default: a new demo-DATE-TIME folder in "
+                    "Settings data_dir)")
+    dm.add_argument("--tasks", type=int, help="the synthetic world's domain tasks (default 3; the digits task is added "
+                    "last)")
     dm.add_argument("--seed", type=int, default=0, help="the random seed of the data and of training")
     dm.add_argument("--no-serve", action="store_true", help="stop after training (no indexing, promotion or serving)")
     dm.add_argument("--cluster", action="store_true",
@@ -432,7 +439,7 @@ def parser() -> argparse.ArgumentParser:
                          "of `clipstream k8s stream` through the Jobs API, the chart's RayService config `serve deploy`ed "
                          "(needs helm: `make cluster-demo`; --tasks domain tasks, no digits task)")
     training_args(dm)
-    dm.set_defaults(func=demo._demo)
+    dm.set_defaults(func=demo._demo, method=None)  # (the world's: see --world)
     for name, text in EXAMPLES.items():
         sub.choices[name].epilog = text
     return p

@@ -29,14 +29,17 @@ def format_table(rows: list[tuple[str, ...]]) -> str:
     return "\n".join("  ".join([c.ljust(w) for c, w in zip(r, widths)] + [r[-1]]).rstrip() for r in rows)
 
 
-def format_hits(hits: list[dict], query, task) -> str:
+def format_hits(hits: list[dict], query, task, names: dict[str, str] | None = None) -> str:
+    """The hits as a table; with `names` (item id -> a name: the demo's emoji), each hit by its name."""
     scope = f"task-known ({task})" if task else "task-unknown (all tasks)"
     version = hits[0]["query_model_version"] if hits else "-"
+    last = "name" if names is not None else "caption, or the image's file"
     lines = [f"query {str(query)!r}, {scope}, encoded by version {version}",
-             f"{'#':>2} {'score':>6}  {'task':<20} {'item':<28} {'ver':>3} {'gen':>3}  caption, or the image's file"]
+             f"{'#':>2} {'score':>6}  {'task':<20} {'item':<28} {'ver':>3} {'gen':>3}  {last}"]
     for i, h in enumerate(hits, 1):
+        shown = (names or {}).get(h["item_id"]) or h["caption"] or h.get("image_uri") or ""
         lines.append(f"{i:>2} {h['score']:6.3f}  {h['task']:<20} {h['item_id']:<28} {h['model_version']:>3} "
-                     f"{h['index_generation']:>3}  {h['caption'] or h.get('image_uri') or ''}")
+                     f"{h['index_generation']:>3}  {shown}")
     return "\n".join(lines)
 
 
