@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Sequence
@@ -86,8 +87,6 @@ def world(settings: Settings, work: Path, workers: int = 1, overrides: Sequence[
         tic = time.perf_counter()
         trained = run_task(corpus, PRESET, None, workers, overrides, home, retrain=True)
         if export.exists():
-            import shutil
-
             shutil.rmtree(export)
         Registry(home).export(trained.version, export)
         done.write_text(json.dumps({"seconds": time.perf_counter() - tic, "overrides": list(overrides)}))
@@ -96,7 +95,7 @@ def world(settings: Settings, work: Path, workers: int = 1, overrides: Sequence[
     registered = register_version0(str(export), [t for tasks in streams.values() for t in tasks], aliases=["start"],
                                    settings=settings)
     scores = version0_scores(export, firsts)
-    floors = {task.name: floor_scores(corpus, task, seed) for task in map(_load, firsts)}
+    floors = floor_scores(corpus, [_load(t) for t in firsts], seed)
     figure = out.with_suffix(".png")
     show_top5(export, firsts[0], figure)
     sets = "".join(f" --set {o}" for o in overrides)
@@ -155,8 +154,6 @@ def stream_section(settings: Settings, streams: dict[str, list[Path]], workers: 
                 parent = run_task(task, "finetune", parent, workers, overrides, settings, retrain=True).version
             folder = work / "versions" / f"{name}-{len(rows)}"
             if folder.exists():
-                import shutil
-
                 shutil.rmtree(folder)
             registry.export(parent, folder)
             scores = version0_scores(folder, tasks)
@@ -184,8 +181,6 @@ def data(settings: Settings, root: Path, size: int, seed: int) -> tuple[Path, di
         folder = root / f"{stream}-{size}px-seed{seed}"
         if not (folder / ".complete").exists():
             if folder.exists():
-                import shutil
-
                 shutil.rmtree(folder)  # an interrupted write
             roots = {package: sources.package_dir(settings, source, package)
                      for source, package in emoji.packages(stream)}
@@ -204,19 +199,26 @@ def version0_scores(export: Path, tasks: Sequence[Path]) -> dict[str, dict[str, 
     return evaluate.evaluate_seen(evaluate.embed_tasks(bundle, [_load(t) for t in tasks]))["known"]
 
 
-def floor_scores(corpus: Path, task, seed: int) -> dict[str, float]:
-    """The words-and-pixels floor's metrics on `task`'s test gallery (see the module's docstring)."""
+def floor_scores(corpus: Path, tasks: Sequence, seed: int) -> dict[str, dict[str, float]]:
+    """The words-and-pixels floor's metrics on each task's test gallery (see the module's docstring), by task name;
+    the corpus's rows and pixels read once for all of them."""
+    corpus = _load(corpus)
+    train = corpus.check("train").rows
+    seen = _pixels([corpus.image(r) for r in train])
+    return {task.name: _floor(train, seen, task, seed) for task in tasks}
+
+
+def _floor(train: list[dict], seen: np.ndarray, task, seed: int) -> dict[str, float]:
     from sklearn.feature_extraction.text import CountVectorizer
 
     from clipstream.training import evaluate
 
-    train, test = _load(corpus).check("train").rows, task.check("test").rows
+    test = task.check("test").rows
     words = CountVectorizer(binary=True, token_pattern=r"(?u)\b\w+\b").fit([r["caption"] for r in train + test])
     q, c = words.transform([r["caption"] for r in test]), words.transform([r["caption"] for r in train])
     shared = (q @ c.T).toarray()
     jaccard = shared / (np.asarray(q.sum(1)) + np.asarray(c.sum(1)).T - shared).clip(min=1)
-    pixels = lambda task, rows: _pixels([task.image(r) for r in rows])  # noqa: E731
-    looks = np.maximum(pixels(task, test) @ pixels(_load(corpus), train).T, 0)  # gallery x corpus
+    looks = np.maximum(_pixels([task.image(r) for r in test]) @ seen.T, 0)  # gallery x corpus
     scores = jaccard @ looks.T  # query text x gallery image
     scores = scores + 1e-9 * np.random.default_rng(seed).random(scores.shape) * max(1.0, float(np.abs(scores).max()))
     keys = [evaluate.content_key(task.image(r)) for r in test]

@@ -34,7 +34,7 @@ def test_the_floor_follows_the_words_a_query_shares_with_the_corpus_to_their_pic
                                       ("sun hat", "yellow")], "test")
     from clipstream.training.data.task import Task
 
-    scores = world.floor_scores(corpus, Task.load(task), seed=0)
+    [scores] = world.floor_scores(corpus, [Task.load(task)], seed=0).values()
     # each query shares one word with one corpus pair, whose picture is its own image's: first, both ways
     assert scores == {f"{d}_R@{k}": 100.0 for d in ("i2t", "t2i") for k in (1, 5, 10)}
 
@@ -45,7 +45,7 @@ def test_the_floor_is_chance_where_no_word_is_shared(tmp_path):
     task = _task(tmp_path, "unseen", [(f"other {n}", c) for n, (_, c) in enumerate(gallery)], "test")
     from clipstream.training.data.task import Task
 
-    scores = world.floor_scores(corpus, Task.load(task), seed=0)
+    [scores] = world.floor_scores(corpus, [Task.load(task)], seed=0).values()
     # every query scores every image 0: the random tie-break ranks its own image uniformly (30 images)
     assert scores["t2i_R@1"] < 20 and 10 <= scores["t2i_R@10"] <= 60
 
