@@ -107,7 +107,7 @@ test-all: setup
 # Only the cluster tests (part of `make test-all`): a 2-node Ray cluster, an MLflow server, the Jobs API and
 # `serve deploy` on this machine.
 test-cluster: setup
-	$(PY) -m pytest -m cluster tests
+	$(PY) -m pytest tests/clipstream/test_local_cluster.py
 
 clean:
 	rm -rf .clipstream clipstream/v1/*_pb2* services/client-dist/clipstream/v1/*_pb2* services/client-dist/build

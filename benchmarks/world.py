@@ -2,6 +2,7 @@
 stream's first task beside its floors.
 
     clipstream bench world [--work DIR] [--workers 1] [--set train.epochs=N ...] [--out benchmarks/results/world.md]
+    clipstream bench world --candidates MINUTES [--out benchmarks/results/world-model.md]
 
 1. data: the sources fetched (`clipstream data fetch`, cached under Settings home), the pretraining corpus and the
    three streams written (`clipstream data stream`) under WORK/data at the preset's image size (kept between runs);
@@ -17,6 +18,12 @@ stream's first task beside its floors.
    same matrix transposed; ties broken at random) -- what shared words alone carry across to unseen concepts.
 
 Writes benchmarks/results/world.md and world.png (version 0's top 5 for a few of the styles task's queries).
+
+--candidates: how the preset's model was sized. The preset's model and variants of it (a larger input, wider
+towers, deeper towers) each trained for the same wall-clock minutes on the corpus written at its input size, in one
+process with the plain open_clip loop (AdamW, ClipLoss, the preset's batch, learning rate and weight decay, the rate
+on a cosine over the minutes, not the steps: a slower model gets fewer steps, as it would in the hour), then scored
+as version 0 is on emoji-styles' first task. Writes benchmarks/results/world-model.md.
 """
 
 from __future__ import annotations
@@ -37,6 +44,11 @@ PRESET = "pretrain-emoji"
 STREAMS = ("emoji-styles", "emoji-groups", "emoji-languages")
 FLOOR_PIXELS = 16  # the words-and-pixels floor compares images at 16x16: a thumbnail's colours and layout
 SHOWN = 6  # queries in world.png
+# --candidates: the preset's model, then each change alone (each costs ~2x its CPU per pair: 2.25x the image tokens,
+# or the towers' width x1.5, or their depth x2)
+CANDIDATES = {"preset": {}, "48 px": {"vision_cfg": {"image_size": 48}},
+              "width 192": {"embed_dim": 192, "vision_cfg": {"width": 192}, "text_cfg": {"width": 192, "heads": 6}},
+              "8+8 layers": {"vision_cfg": {"layers": 8}, "text_cfg": {"layers": 8}}}
 STREAM_SETTINGS = ("train.epochs=2",)  # the streams' jobs: a few thousand pairs a task, twice
 
 
@@ -54,7 +66,10 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--stream-set", action="append", default=[], metavar="KEY=VALUE",
                    help=f"override finetune for the streams' jobs (default: {' '.join(STREAM_SETTINGS)})")
     p.add_argument("--fresh", action="store_true", help="pretrain again even if WORK holds a version 0 already")
-    p.add_argument("--out", default=str(report.RESULTS / "world.md"))
+    p.add_argument("--candidates", type=float, default=0, metavar="MINUTES",
+                   help=f"instead: train each candidate model ({', '.join(CANDIDATES)}) for MINUTES and score it on "
+                        "emoji-styles' first task (how the preset's model was sized)")
+    p.add_argument("--out", default="", help="default: benchmarks/results/world.md (world-model.md with --candidates)")
     return p
 
 
@@ -62,8 +77,17 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> str:
     args = report.parse(parser(prog), argv)
     settings = Settings()
     work = Path(args.work) if args.work else settings.data_dir / "world"
-    return world(settings, work, args.workers, args.set, args.seed, Path(args.out),
-                 args.stream_set or list(STREAM_SETTINGS), args.fresh, [n for n in args.streams.split(",") if n])
+    trained = [n for n in args.streams.split(",") if n]
+    unknown = sorted(set(trained) - set(STREAMS))
+    if unknown:
+        raise ValueError(f"--streams: unknown {', '.join(unknown)}; choose from {', '.join(STREAMS)}")
+    if args.candidates < 0:
+        raise ValueError(f"--candidates {args.candidates:g}: give the minutes each candidate trains (> 0)")
+    if args.candidates:
+        return candidates(settings, work, args.candidates, args.set, args.seed,
+                          Path(args.out or report.RESULTS / "world-model.md"))
+    return world(settings, work, args.workers, args.set, args.seed, Path(args.out or report.RESULTS / "world.md"),
+                 args.stream_set or list(STREAM_SETTINGS), args.fresh, trained)
 
 
 def world(settings: Settings, work: Path, workers: int = 1, overrides: Sequence[str] = (), seed: int = 0,
@@ -124,9 +148,6 @@ def world(settings: Settings, work: Path, workers: int = 1, overrides: Sequence[
         "",
         f"![version 0's top 5 for the first queries of {_load(firsts[0]).name}]({figure.name})",
     ]
-    unknown = sorted(set(trained_streams) - set(STREAMS))
-    if unknown:
-        raise ValueError(f"--streams: unknown {', '.join(unknown)}; choose from {', '.join(STREAMS)}")
     if trained_streams:
         lines += stream_section(settings, {n: streams[n] for n in trained_streams}, workers, stream_overrides, out,
                                 work)
@@ -170,14 +191,15 @@ def stream_section(settings: Settings, streams: dict[str, list[Path]], workers: 
     return lines
 
 
-def data(settings: Settings, root: Path, size: int, seed: int) -> tuple[Path, dict[str, list[Path]]]:
-    """The pretraining corpus and each stream's tasks at `size` px, written once under `root`."""
+def data(settings: Settings, root: Path, size: int, seed: int,
+         streams: Sequence[str] = STREAMS) -> tuple[Path, dict[str, list[Path]]]:
+    """The pretraining corpus and each of `streams`' tasks at `size` px, written once under `root`."""
     from clipstream.training.data import emoji, sources
 
-    names = sorted({source for stream in (*STREAMS, "pretrain") for source, _ in emoji.packages(stream)})
+    names = sorted({source for stream in (*streams, "pretrain") for source, _ in emoji.packages(stream)})
     sources.fetch(settings, names)
     tasks = {}
-    for stream in ("pretrain", *STREAMS):
+    for stream in ("pretrain", *streams):
         folder = root / f"{stream}-{size}px-seed{seed}"
         if not (folder / ".complete").exists():
             if folder.exists():
@@ -187,15 +209,104 @@ def data(settings: Settings, root: Path, size: int, seed: int) -> tuple[Path, di
             emoji.write_stream(stream, folder, roots, seed=seed, image_size=size)
             (folder / ".complete").touch()
         tasks[stream] = sorted(p for p in folder.iterdir() if (p / "task.yaml").exists())
-    return tasks["pretrain"][0], {s: tasks[s] for s in STREAMS}
+    return tasks["pretrain"][0], {s: tasks[s] for s in streams}
+
+
+def candidates(settings: Settings, work: Path, minutes: float, overrides: Sequence[str] = (), seed: int = 0,
+               out: Path = report.RESULTS / "world-model.md") -> str:
+    """Each of CANDIDATES trained for `minutes` and scored on emoji-styles' first task (the module's docstring)."""
+    import tempfile
+
+    import open_clip
+
+    from clipstream.training import methods
+
+    preset = methods.resolve(PRESET, overrides)
+    base = open_clip.get_model_config(preset["model"]["arch"])
+    rows = []
+    with tempfile.TemporaryDirectory() as configs:
+        for name, change in CANDIDATES.items():
+            config = {**base, **{k: {**base.get(k, {}), **v} if isinstance(v, dict) else v for k, v in change.items()}}
+            arch = f"clipstream-probe-{len(rows)}"
+            (Path(configs) / f"{arch}.json").write_text(json.dumps(config))
+            open_clip.add_model_config(Path(configs) / f"{arch}.json")
+            size = int(config["vision_cfg"]["image_size"])
+            corpus, streams = data(settings, work / "data", size, seed, ["emoji-styles"])
+            trained = probe(arch, _load(corpus), preset["train"], minutes * 60)
+            [scores] = evaluate_bundle(trained.pop("bundle"), [streams["emoji-styles"][0]]).values()
+            v, t = config["vision_cfg"], config["text_cfg"]
+            rows.append([name, f"{size} px / {v['patch_size']}", f"{v['width']} / {t['width']}",
+                         f"{v['layers']} + {t['layers']}", f"{trained['params'] / 1e6:.2f}", f"{trained['rate']:.0f}",
+                         f"{trained['epochs']:.1f}", f"{scores['Rm']:.1f}",
+                         f"{(scores['i2t_R@10'] + scores['t2i_R@10']) / 2:.1f}"])
+            print(" | ".join(map(str, rows[-1])), flush=True)
+    sets = "".join(f" --set {o}" for o in overrides)
+    lines = ["# The emoji world: how version 0's model was sized", "",
+             f"Reproduce: `clipstream bench world --candidates {minutes:g}{sets} --seed {seed} --out {out}`", "",
+             f"Device: {report.device('one process, plain open_clip loop')}. Each candidate trained for {minutes:g} "
+             f"min of wall clock on the pretraining corpus at its input size (batch {preset['train']['micro_batch']}, "
+             f"AdamW lr {preset['train']['lr']:g} on a cosine over the minutes, weight decay "
+             f"{preset['train']['weight_decay']:g}), then scored on emoji-styles' first task's test gallery as version 0 "
+             "is (task-known; R@10 mean of both directions). One seed: a difference of a point or two is within a "
+             "rerun's spread.", "",
+             *report.table(["model", "input / patch", "width vision / text", "layers", "M params", "pairs/s",
+                            "epochs in the time", "Rm", "R@10"], rows), ""]
+    return report.shown(out, lines)
+
+
+def probe(arch: str, corpus, train: dict, seconds: float) -> dict:
+    """`arch` from random weights trained on `corpus` for `seconds` by the loop an open_clip user writes, the
+    learning rate on a cosine over the seconds; its bundle, parameters, pairs/s and epochs of the corpus seen."""
+    import math
+
+    import torch
+    from open_clip.loss import ClipLoss
+    from torch.utils.data import DataLoader
+    from tqdm import tqdm
+
+    from clipstream import models
+    from clipstream.benchmarks.train_throughput import Pairs
+
+    torch.manual_seed(0)
+    bundle = models.create(arch)
+    model = bundle.model.train()
+    pairs = Pairs(corpus, bundle.preprocess_train, bundle.tokenizer)
+    loader = DataLoader(pairs, batch_size=train["micro_batch"], shuffle=True, drop_last=True, num_workers=1,
+                        persistent_workers=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=train["lr"], weight_decay=train["weight_decay"],
+                            betas=tuple(train["betas"]), eps=train["eps"])
+    loss_fn, seen, tic = ClipLoss(), 0, time.perf_counter()
+    with tqdm(total=round(seconds), desc=f"probe {arch}", unit="s") as bar:
+        while time.perf_counter() - tic < seconds:
+            for images, texts in loader:
+                elapsed = time.perf_counter() - tic
+                if elapsed >= seconds:
+                    break
+                for group in opt.param_groups:
+                    group["lr"] = train["lr"] * (train["min_lr_ratio"] + (1 - train["min_lr_ratio"]) * 0.5
+                                                 * (1 + math.cos(math.pi * elapsed / seconds)))
+                loss = loss_fn(*model(images, texts)[:3])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                seen += images.shape[0]
+                bar.update(round(time.perf_counter() - tic) - bar.n)
+    del loader
+    model.eval()
+    return {"bundle": bundle, "params": sum(p.numel() for p in model.parameters()),
+            "rate": seen / (time.perf_counter() - tic), "epochs": seen / len(pairs)}
 
 
 def version0_scores(export: Path, tasks: Sequence[Path]) -> dict[str, dict[str, float]]:
     """Task-known metrics of the exported model on each task's test split, as training's evaluation computes them."""
     from clipstream import models
+
+    return evaluate_bundle(models.load_exported(export), tasks)
+
+
+def evaluate_bundle(bundle, tasks: Sequence[Path]) -> dict[str, dict[str, float]]:
     from clipstream.training import evaluate
 
-    bundle = models.load_exported(export)
     return evaluate.evaluate_seen(evaluate.embed_tasks(bundle, [_load(t) for t in tasks]))["known"]
 
 

@@ -1,5 +1,6 @@
 """`clipstream bench world`: its words-and-pixels floor on small made-up tasks (it finds what shared words and
-pixels point to, and is chance where they point nowhere), its table rows, and the preset's image size."""
+pixels point to, and is chance where they point nowhere), its table rows, the preset's image size, the candidates'
+probe, and bad options refused before anything runs."""
 
 import io
 
@@ -65,3 +66,36 @@ def test_the_preset_names_a_model_whose_image_size_the_streams_are_written_at():
 
     arch = methods.resolve(world.PRESET)["model"]["arch"]
     assert world._image_size(arch) == 32
+
+
+def test_a_probe_trains_its_model_for_the_seconds_it_is_given(tmp_path):
+    import time
+
+    import torch
+
+    from clipstream import models
+    from clipstream.training import methods
+    from clipstream.training.data.task import Task
+
+    corpus = Task.load(_task(tmp_path, "corpus", [(f"{c} thing {n}", c) for n in range(8) for c in COLOURS], "train"))
+    train = {**methods.resolve(world.PRESET)["train"], "micro_batch": 8}
+    torch.manual_seed(0)
+    before = models.create("clipstream-vit-tiny").model.state_dict()
+    tic = time.perf_counter()
+    trained = world.probe("clipstream-vit-tiny", corpus, train, seconds=3)
+    took = time.perf_counter() - tic
+    assert 3 <= took < 3 + 20  # (model creation and the loader's worker start-up besides)
+    after = trained["bundle"].model.state_dict()
+    assert not torch.equal(before["visual.proj"], after["visual.proj"]) and not trained["bundle"].model.training
+    assert trained["rate"] > 0 and trained["epochs"] > 0
+    assert trained["params"] == sum(p.numel() for p in trained["bundle"].model.parameters())
+
+
+def test_bad_options_are_refused_before_anything_is_fetched_or_trained(monkeypatch):
+    import pytest
+
+    monkeypatch.setattr(world, "data", lambda *a, **k: pytest.fail("fetched before checking the options"))
+    with pytest.raises(ValueError, match="--streams: unknown emoji-colours; choose from emoji-styles"):
+        world.main(["--streams", "emoji-styles,emoji-colours"])
+    with pytest.raises(ValueError, match="--candidates -1: give the minutes"):
+        world.main(["--candidates", "-1"])

@@ -53,7 +53,17 @@ GROUP_TASKS = {"smileys-people": ("smileys-emotion", "people-body"), "animals-na
                "activities-objects": ("activities", "objects"), "symbols-flags": ("symbols", "flags")}
 NOT_CONCEPTS = ("component",)  # skin-tone swatches and hair parts: pieces of emoji, not emoji
 TAG_CAPTIONS, TAGS_PER_CAPTION = 2, 3
-COLOUR_STYLES = ("fluent-flat", "fluent-3d", "emojione")  # version 0's colour styles (Iconify's packages): no stream's
+# version 0's colour styles, no stream's, as Iconify's packages: (style, package, how it names an icon: "chars" the flat
+# Fluent set's chars.json (its 3D set shares the names), "label" the English CLDR label's slug, "squashed" that slug
+# without its hyphens)
+ICONIFY_STYLES = (("fluent-flat", "@iconify-json/fluent-emoji-flat", "chars"),
+                  ("fluent-3d", "@iconify-json/fluent-emoji", "chars"), ("emojione", "@iconify-json/emojione", "label"),
+                  ("emojione-v1", "@iconify-json/emojione-v1", "label"), ("noto-v1", "@iconify-json/noto-v1", "label"),
+                  ("fxemoji", "@iconify-json/fxemoji", "squashed"),
+                  ("streamline", "@iconify-json/streamline-emojis", "label"))
+COLOUR_STYLES = tuple(style for style, _, _ in ICONIFY_STYLES)
+ICONIFY_SOURCES = tuple(dict.fromkeys(s.name for _, package, _ in ICONIFY_STYLES for s in SOURCES.values()
+                                      if package in {p.name for p in s.packages}))
 GALLERY_FRACTION = 0.1  # of the pretraining corpus: its own test, as `data import` holds out by default
 TARGET_TEST_PAIRS = 500  # a gallery smaller than this is reported: its Rm moves by points from a few items
 # `clipstream demo`'s short stream: German, then English captions of the same Twemoji (English last: three of its four
@@ -91,7 +101,7 @@ def codepoints(hexcode: str) -> str:
 def packages(stream: str) -> list[tuple[str, str]]:
     """(source, npm package) of every package `stream` reads: the roots `write_stream` takes, keyed by package."""
     needs = {"emoji-styles": ("twemoji", "noto", "openmoji"), "emoji-groups": ("twemoji",),
-             "emoji-languages": ("twemoji",), DEMO_STREAM: ("twemoji",), "pretrain": ("openmoji", "tabler", "fluent", "emojione")
+             "emoji-languages": ("twemoji",), DEMO_STREAM: ("twemoji",), "pretrain": ("openmoji", "tabler", *ICONIFY_SOURCES)
              }[stream] + ("emoji-captions",)
     return [(s, p.name) for s in needs for p in SOURCES[s].packages]
 
@@ -409,15 +419,12 @@ def _pretrain(out: Path, roots: dict[str, Path], renderer: _Renderer, seed: int,
     test = concept_split(cat, seed, test_fraction)
     emoji = [k for k in _untested([k for k in sorted(cat.images["openmoji-black"]) if cat.bases[k] == k], cat,
                                   "openmoji-black", test) if k not in test]
-    # colour styles no stream shows: Fluent's flat and 3D sets (their icons named in the flat set's chars.json) and
-    # Emoji One's (its icons named as the CLDR English labels, which is how Iconify names them)
-    flat = roots["@iconify-json/fluent-emoji-flat"]
-    by_char = {name: codepoints(hexcode) for hexcode, name in
-               json.loads((flat / "chars.json").read_text(encoding="utf-8")).items()}
+    chars = roots["@iconify-json/fluent-emoji-flat"] / "chars.json"
     by_label = {_slug(label): k for k, (label, _) in cat.captions["en"].items()}
-    for style, root, names in (("fluent-flat", flat, by_char), ("fluent-3d", roots["@iconify-json/fluent-emoji"], by_char),
-                               ("emojione", roots["@iconify-json/emojione"], by_label)):
-        cat.images[style] = {k: svg for k, svg in iconify_images(root, names).items() if k in cat.bases}
+    names = {"chars": {name: codepoints(hexcode) for hexcode, name in json.loads(chars.read_text("utf-8")).items()},
+             "label": by_label, "squashed": {slug.replace("-", ""): k for slug, k in by_label.items()}}
+    for style, package, naming in ICONIFY_STYLES:
+        cat.images[style] = {k: svg for k, svg in iconify_images(roots[package], names[naming]).items() if k in cat.bases}
     colour = {style: [k for k in _untested(sorted(k for k in cat.images[style] if cat.bases[k] == k), cat, style, test)
                       if k not in test] for style in COLOUR_STYLES}
     png, meta_root = roots["@tabler/icons-png"], roots["@tabler/icons"]
@@ -455,12 +462,12 @@ def _pretrain(out: Path, roots: dict[str, Path], renderer: _Renderer, seed: int,
     counts = ", ".join(f"{style} {sum((style, k) in files for k in keys)}" for style, keys in colour.items())
     protocol["corpus"] = (f"Tabler icons (outline and filled; label: the icon's name words, + ' filled'; tags: its tags "
                           f"and category) and the emoji streams' train concepts in styles no stream shows: OpenMoji's "
-                          f"black line art and the colour sets Fluent (flat and 3D) and Emoji One (base images, English; "
+                          f"black line art and the colour sets of Iconify's packages {', '.join(ICONIFY_SOURCES)} (base images, English; "
                           f"images per style: {counts}); no stream test concept; its own test: {GALLERY_FRACTION:.0%} of "
                           f"the icons and of the emoji concepts (in every style), drawn per source with seed {seed}; "
                           f"{len(found) - len(drawn)} icon images left out: named as a test concept (English label, case "
                           f"and a trailing number aside); {len(renderer.undrawable)} SVGs cairo could not draw")
     meta = {"stream": "pretrain", "protocol": protocol,
-            "sources": _sources(roots, ["tabler", "openmoji", "fluent", "emojione", "emoji-captions"])}
+            "sources": _sources(roots, ["tabler", "openmoji", *ICONIFY_SOURCES, "emoji-captions"])}
     return _import(pairs, out, meta, started, description="pretraining corpus for version 0: Tabler icons and the emoji "
-                  "streams' train concepts in styles no stream shows (OpenMoji line art, Fluent, Emoji One), English")
+                  "streams' train concepts in styles no stream shows (OpenMoji line art and Iconify's colour sets), English")

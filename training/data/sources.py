@@ -111,6 +111,22 @@ SOURCES = {s.name: s for s in (
     Source("emojione", (Package("@iconify-json/emojione", "1.2.3", "sha512-T9+T3HIbJNLKKsmxYKlaYhvnHYkz/HNYTV7SHCXVZPf"
                                 "eUi4FqskY70YeN8yYAZT8cCv7w5vJxS4Q1m8zb9CMMg=="),),
            "CC-BY-4.0", "Emoji One (version 2) art by Emoji One, packaged by Iconify", "https://github.com/EmojiTwo/emojitwo"),
+    # older and other vendors' designs, each unlike the streams' Twemoji, Noto (today's) and OpenMoji
+    Source("emojione-v1", (Package("@iconify-json/emojione-v1", "1.2.3", "sha512-UjI2VQEXVtGlPBvQuxEizro7QCgBcJDOYwKUupq"
+                                   "uvvZ8UV4xOlvm45IU82JYWegiAWLerY79gFLMZ26U6Ms+ww=="),),
+           "CC-BY-SA-4.0", "Emoji One (version 1) art by Emoji One, packaged by Iconify",
+           "https://github.com/joypixels/emojione-legacy"),
+    Source("noto-v1", (Package("@iconify-json/noto-v1", "1.2.5", "sha512-/DsVMius69Q0fRS53z7QK1TROSuar606jiIx+laXtdsYGMXp"
+                               "f6LtHBx6CGfoo3UHHb/XpBsw+1L1x3eyPqMuVA=="),),
+           "Apache-2.0", "Noto Emoji version 1 (Google's design before 2017) by Google, packaged by Iconify",
+           "https://github.com/googlefonts/noto-emoji"),
+    Source("fxemoji", (Package("@iconify-json/fxemoji", "1.2.2", "sha512-UAasRaxzFUKfIGSmLwnoarsssA4LX0VLLuEmplIqM6ZNQqIQRt"
+                               "av8tZ4H1neTlBreXuMQyAifr5jP4kn78DpiQ=="),),
+           "Apache-2.0", "Firefox OS Emoji by Mozilla, packaged by Iconify", "https://github.com/mozilla/fxemoji"),
+    Source("streamline", (Package("@iconify-json/streamline-emojis", "1.2.4", "sha512-iNr9T9XuZVTyQPJO8ZlLxBzPkpi7qMl+z1l"
+                                  "0C31vpEMqhPMelth3n7CeWQYtixdetDPdI81yeG4ROqjWpYJE6A=="),),
+           "CC-BY-4.0", "Streamline Emojis by Webalys (Streamline), packaged by Iconify",
+           "https://github.com/webalys-hq/streamline-vectors"),
     Source("emoji-captions", (Package("emojibase-data", "17.0.0", "sha512-Yvgb5AWoHViHV/gq1qr5ZAarcBip+B27/ZLRsUJkbgAEa"
                                       "LlZ/fof9g882LTpmEpyhBNEC0m2SEmItljHsTygjA=="),),
            "MIT (emojibase-data), Unicode-3.0 (CLDR annotations)", "Emojibase by Miles Johnson, over the Unicode CLDR "

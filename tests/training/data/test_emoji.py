@@ -63,7 +63,7 @@ def roots(tmp_path_factory):
     top = tmp_path_factory.mktemp("sources")
     roots = {name: top / name.replace("/", "+") / "package" for name in (
         "emojibase-data", "emoji-datasource-twitter", "emoji-datasource-google", "openmoji", "@tabler/icons-png",
-        "@tabler/icons", "@iconify-json/fluent-emoji-flat", "@iconify-json/fluent-emoji", "@iconify-json/emojione")}
+        "@tabler/icons", *(package for _, package, _ in emoji.ICONIFY_STYLES))}
     for name, root in roots.items():
         _write_json(root / "package.json", {"name": name, "version": "1.2.3"})
     entries = _entries()
@@ -106,17 +106,17 @@ def roots(tmp_path_factory):
             (om / colour / "svg").mkdir(parents=True, exist_ok=True)
             (om / colour / "svg" / f"{e['hexcode']}.svg").write_text(_svg(rgb, 10 + digest[3] % 20))
     # Iconify's sets: SVG bodies in icons.json; Fluent's flat set names each icon's codepoints in chars.json (its 3D
-    # set shares the names), Emoji One's icons are named as the English labels; an alias draws its parent
+    # set shares the names), the others name their icons as the English labels (Firefox OS's without hyphens); an
+    # alias draws its parent
     concepts = [e for e in entries if "tags" in e]
     slug = {e["hexcode"]: e["label"].replace(" ", "-") for e in concepts}
-    for package, radius in (("@iconify-json/fluent-emoji-flat", 5), ("@iconify-json/fluent-emoji", 9),
-                            ("@iconify-json/emojione", 13)):
-        icons = {slug[e["hexcode"]]: {"body": f'<circle cx="16" cy="16" r="{radius}" fill="rgb'
-                                              f'{tuple(hashlib.sha256((package + e["hexcode"]).encode()).digest()[:3])}"/>'}
-                 for e in concepts}
+    for n, (_, package, naming) in enumerate(emoji.ICONIFY_STYLES):
+        icons = {slug[e["hexcode"]].replace("-", "" if naming == "squashed" else "-"): {
+            "body": f'<circle cx="16" cy="16" r="{5 + 2 * n}" fill="rgb'
+                    f'{tuple(hashlib.sha256((package + e["hexcode"]).encode()).digest()[:3])}"/>'} for e in concepts}
         first = next(iter(icons))
         _write_json(roots[package] / "icons.json", {"prefix": "x", "width": 32, "height": 32,
-                                                    "icons": {f"renamed-{first}" if package.endswith("emojione") else
+                                                    "icons": {f"renamed-{first}" if naming == "label" else
                                                               first: icons.pop(first), **icons},
                                                     "aliases": {first: {"parent": f"renamed-{first}"}}})
     _write_json(roots["@iconify-json/fluent-emoji-flat"] / "chars.json",
@@ -257,15 +257,17 @@ def test_pretraining_corpus_is_icons_and_train_concepts_in_styles_no_stream_show
     named = {label.removesuffix(" 2") for label in labels - icons}  # an icon named as a concept, or its line art
     assert named == stream_trains and not named & stream_tests
     assert f"{len(stream_tests)} icon images left out" in task.meta["metadata"]["protocol"]["corpus"]
-    # each emoji concept in the colour styles no stream shows, Fluent's flat and 3D and Emoji One's (an icon reached
-    # through an alias included), and in OpenMoji's line art but where it is drawn like a test concept
+    # each emoji concept in every colour style no stream shows (Iconify's sets, an icon reached through an alias
+    # included), and in OpenMoji's line art but where it is drawn like a test concept
     images = {}
     for split in task.splits:
         for r in _rows(task, split):
             images.setdefault(r["label"], set()).add(r["image"]) if r["label"] in named else None
-    assert images.keys() == named and {len(found) for found in images.values()} == {3, 4}
+    styles = len(emoji.COLOUR_STYLES)
+    assert images.keys() == named and {len(found) for found in images.values()} == {styles, styles + 1}
     n = len(named)
-    assert f"fluent-flat {n}, fluent-3d {n}, emojione {n}, openmoji-black {sum(len(f) == 4 for f in images.values())}" \
+    line_art = sum(len(found) == styles + 1 for found in images.values())
+    assert ", ".join(f"{style} {n}" for style in emoji.COLOUR_STYLES) + f", openmoji-black {line_art}" \
         in task.meta["metadata"]["protocol"]["corpus"]
 
 
