@@ -6,22 +6,23 @@
   experiment and registered model per seed: a parent must be a version of the stream) and then the parent of each.
 - Resumable: a finished cell is written under the cache as JSON (what it measured) + npz (the ranks, no pickles),
   named by the digest of everything that determines it (the benchmark's options, the seed, the preset and its
-  overrides, how its first task was trained); the code version is recorded, not keyed. A rerun with the same
-  options reads the finished cells and says so; stopping a run loses only the cell it was in. Its task jobs then
-  train again as new versions (`retrain`), a job stopped part way resuming from its last epoch checkpoint.
+  overrides, how its first task was trained, and the content of the code that trains and scores it: `sources`);
+  the commit is recorded too. A rerun with the same options and code reads the finished cells and says so; a cell
+  made by other code is trained again; stopping a run loses only the cell it was in. Its task jobs then train
+  again as new versions (`retrain`), a job stopped part way resuming from its last epoch checkpoint.
 - Sweeps: `--vary KEY=V1,V2` runs each method whose resolved preset has KEY once per value, a grid over several
   `--vary`, each row labelled `ewc weight=100`; the baseline is never varied.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
 import math
 import os
 import shutil
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,9 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from clipstream.benchmarks import stats
+import clipstream
+from clipstream import training
+from clipstream.benchmarks import report, stats
 from clipstream.registry import Registry, RegistryError
 from clipstream.settings import Settings
 from clipstream.training.evaluate import flat_ranks, nested_ranks
@@ -121,46 +124,74 @@ def expand(streams: dict[str, tuple[str, Sequence[str]]], vary: Sequence[tuple[s
     return variants
 
 
-def code_version() -> str:
-    """The commit (and whether the work tree had changes) of the code that ran, recorded with each cell."""
-    try:
-        rev = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "describe", "--always", "--dirty"],
-                             capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        rev = ""
-    if rev:
-        return rev
-    from importlib.metadata import PackageNotFoundError, version
+# the files whose content is code or configuration (not caches, notes or results)
+SOURCE_SUFFIXES = (".py", ".yaml", ".json")
 
-    from clipstream.settings import DISTRIBUTION
 
-    try:
-        return f"clipstream {version(DISTRIBUTION)}"
-    except PackageNotFoundError:
-        return "unknown"
+def sources() -> dict[str, Path]:
+    """What a cell's numbers depend on beyond its key, each file or folder by a name that is the same in a checkout
+    and in an installed package: the training code (the job, the methods and their presets, the data, the
+    evaluation), how a model is built and from which configs, how a version is stored and read back (each task
+    starts from its parent), and the benchmark code that makes the cells. Not what only reads them (stats.py, the
+    report): those are recomputed from the cached ranks on every run."""
+    package, here = Path(clipstream.__file__).resolve().parent, Path(__file__).resolve().parent
+    return {"training": Path(training.__file__).resolve().parent, "clipstream/models.py": package / "models.py",
+            "clipstream/model_configs": package / "model_configs", "clipstream/registry.py": package / "registry.py",
+            **{f"benchmarks/{name}": here / name for name in ("cells.py", "continual_methods.py", "languages.py")}}
+
+
+def fingerprint(named: dict[str, Path]) -> str:
+    """A digest of the content of the code and configuration files under `named` (name -> file or folder), each by
+    its name there: the same for the same content, committed or not, in a checkout or an installed copy (the files
+    are read: a few dozen small ones)."""
+    listing = []
+    for name, path in named.items():
+        files = {name: path} if path.is_file() else {f"{name}/{file.relative_to(path).as_posix()}": file
+                                                     for file in path.rglob("*") if file.is_file()}
+        listing += [f"{label}\0{hashlib.sha256(file.read_bytes()).hexdigest()}\n" for label, file in files.items()
+                    if label.endswith(SOURCE_SUFFIXES) and "__pycache__" not in file.parts]
+    return hashlib.sha256("".join(sorted(listing)).encode()).hexdigest()[:20]
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """`fingerprint` of this package's `sources()`, once per process (it runs the code it imported at its start)."""
+    return fingerprint(sources())
 
 
 class Cache:
     """Finished cells under `root`: DIGEST.json (the record) and DIGEST.npz (each version's ranks), DIGEST naming
-    what determines the cell. `fresh`: cells from before this run are not read (this run's own are)."""
+    what determines the cell and the code that made it (`code`: a `fingerprint`, by default this process's
+    `code_fingerprint`). `fresh`: cells from before this run are not read (this run's own are)."""
 
-    def __init__(self, root: Path, fresh: bool = False):
-        self.root, self.fresh, self._written = Path(root), fresh, set()
+    def __init__(self, root: Path, fresh: bool = False, code: Optional[str] = None):
+        self.root, self.fresh, self._written, self._code = Path(root), fresh, set(), code
+
+    @property
+    def code(self) -> str:
+        if self._code is None:
+            self._code = code_fingerprint()
+        return self._code
 
     @staticmethod
     def digest(what: dict) -> str:
         return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
+    def keyed(self, what: dict) -> dict:
+        """`what` with the code: a cell made by other code is another cell."""
+        return {**what, "code_fingerprint": self.code}
+
     def path(self, what: dict) -> Path:
-        return self.root / f"{self.digest(what)}.json"
+        return self.root / f"{self.digest(self.keyed(what))}.json"
 
     def load(self, what: dict) -> Optional[dict]:
-        """The cell `what` names, with its `rows` of ranks; None when it has not finished (or `fresh`)."""
+        """The cell `what` names, with its `rows` of ranks; None when it has not finished (or `fresh`), or was made by
+        other code."""
         path = self.path(what)
         if (self.fresh and path not in self._written) or not path.is_file() or not path.with_suffix(".npz").is_file():
             return None
         record = json.loads(path.read_text())
-        if record.get("key") != json.loads(json.dumps(what, default=str)):
+        if record.get("key") != json.loads(json.dumps(self.keyed(what), default=str)):
             return None  # (a digest collision)
         with np.load(path.with_suffix(".npz"), allow_pickle=False) as arrays:
             rows: list[dict] = [{} for _ in record["tasks"]]
@@ -177,10 +208,9 @@ class Cache:
         path = self.path(what)
         self.root.mkdir(parents=True, exist_ok=True)
         arrays = {f"{i}/{key}": r for i, row in enumerate(record["rows"]) for key, r in flat_ranks(row).items()}
+        kept = {**{k: v for k, v in record.items() if k != "rows"}, "key": self.keyed(what)}
         for target, write in ((path.with_suffix(".npz"), lambda f: np.savez_compressed(f, **arrays)),
-                              (path, lambda f: f.write(json.dumps(
-                                  {**{k: v for k, v in record.items() if k != "rows"}, "key": what}, indent=1,
-                                  default=str).encode()))):
+                              (path, lambda f: f.write(json.dumps(kept, indent=1, default=str).encode()))):
             tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
             with open(tmp, "wb") as f:
                 write(f)
@@ -215,7 +245,7 @@ def _record(what: dict, label: str, steps: list[dict], trained_by: list[str], st
             "versions": [s["version"] for s in steps], "stream": stream, "seconds": [s["seconds"] for s in steps],
             "step_ms": [s["step_ms"] for s in steps], "sd": [s["sd"] for s in steps],
             "zero_shot": steps[-1]["zero_shot"], "zero_shot_accuracy": steps[-1].get("zero_shot_accuracy", []),
-            "rows": [s["ranks"] for s in steps], "code": code_version(),
+            "rows": [s["ranks"] for s in steps], "code": report.code_version(),
             "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 

@@ -309,14 +309,13 @@ def methods_report(summary: stats.Summary, results: dict[str, dict[int, dict]], 
     for paired in ([summary] if base else []) + ([versus] if versus else []):
         against = paired.baseline
         lines += ["", f"## Paired difference against {against}", "",
-                  f"Each method minus {against} on the same seeds and the same resampled test pairs (same seed = "
-                  f"same data and queries), signed so that > 0 favours the method: for forgetting and the zero-shot "
-                  f"drop, where lower is better, it is {against} − method. A method beats {against} on a statistic "
-                  "only where its interval lies above 0.", ""]
+                  f"Each method minus {against}, seed by seed (same seed = same data and queries; each seed's "
+                  f"statistic on its whole test set), signed so that > 0 favours the method: for forgetting and the "
+                  f"zero-shot drop, where lower is better, it is {against} − method.", ""]
         lines += stats.difference_table(paired, compared(tables))
         if paired is summary:
             forest = stats.plot_forest(summary, [headline[0], headline[1], headline[3], headline[5]],
-                                       out.with_name(f"{out.stem}-forest.png"))
+                                       out.with_name(f"{out.stem}-forest.png"), compared(tables))
             lines += ["", f"![paired differences against {base}]({forest.name})"]
     if len(tables["modes"]) > 4:  # more gallery modes than task-known and task-unknown
         lines += ["", "## Every gallery mode", ""]

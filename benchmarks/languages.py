@@ -144,10 +144,11 @@ def languages_report(summary: stats.Summary, results: dict[str, dict[int, dict]]
                        for label, est in summary.estimates.items()]),
     ]
     if summary.baseline:
-        lines += ["", f"Paired difference against {summary.baseline} (same seeds, same resampled test pairs; > 0 "
-                  f"favours the stream; a stream beats {summary.baseline} only where the interval lies above 0):", ""]
-        lines += stats.difference_table(summary, [*headline, tables["recall"][len(KS)]], label="stream")
-        forest = stats.plot_forest(summary, headline[:4], out.with_name(f"{out.stem}-forest.png"))
+        compared = [*headline, tables["recall"][len(KS)]]
+        lines += ["", f"Paired difference against {summary.baseline}, seed by seed (same seed = same data and queries; "
+                  "each seed's statistic on its whole test set; > 0 favours the stream):", ""]
+        lines += stats.difference_table(summary, compared, label="stream")
+        forest = stats.plot_forest(summary, headline[:4], out.with_name(f"{out.stem}-forest.png"), compared)
         lines += ["", f"![paired differences against {summary.baseline}]({forest.name})"]
     png = stats.plot_curves(summary, [st.name for st in tables["curve"]], [t.split("-lang-")[-1] for t in tasks],
                             out.with_suffix(".png"), f"Rm on {tasks[0]} (%)", "English retrieval after each language")

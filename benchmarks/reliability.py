@@ -182,9 +182,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     repo = Path(__file__).resolve().parents[1]
     if not args.no_suite and (repo / "tests" / "reliability").is_dir():
         lines += ["## Faults and bad input (tests/reliability)", "", *suite(repo), ""]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    report.shown(args.out, lines)
     print(f"\nwritten {args.out}")
 
 

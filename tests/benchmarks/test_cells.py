@@ -185,3 +185,60 @@ def test_run_seeds_makes_each_seeds_data_once_and_gives_each_seed_its_own_sets(j
     calls = len(jobs.calls)
     both()  # a rerun: no data made again, no job trained, the same cells
     assert len(made) == 2 and len(jobs.calls) == calls
+
+
+def test_a_cell_made_by_other_code_is_trained_again_and_one_made_by_the_same_code_is_read(jobs, settings, tmp_path):
+    rows = [Variant("lwf", "lwf")]
+    run(settings, cells.Cache(tmp_path / "cache", code="a"), rows)
+    assert len(jobs.calls) == 3  # the start, then the row's two tasks
+    run(settings, cells.Cache(tmp_path / "cache", code="a"), rows)
+    assert len(jobs.calls) == 3
+    run(settings, cells.Cache(tmp_path / "cache", code="b"), rows)
+    assert len(jobs.calls) == 6  # the start too: it was trained by the other code
+    key = {"bench": "methods", "seed": 0}
+    assert cells.Cache(tmp_path, code="a").path(key) != cells.Cache(tmp_path, code="b").path(key)
+    assert cells.Cache(tmp_path).code == cells.code_fingerprint()  # by default, this process's code
+
+
+def test_the_code_fingerprint_follows_the_source_files_content_only(tmp_path):
+    """What keys a cell: the content of the code and configuration files under the sources, nothing else."""
+    (tmp_path / "training" / "methods").mkdir(parents=True)
+    (tmp_path / "clipstream").mkdir()
+    files = {"training/job.py": "x = 1\n", "training/methods/presets.yaml": "ewc: {weight: 1}\n",
+             "clipstream/models.py": "y = 2\n", "README.md": "notes\n", "training/notes.txt": "notes\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    named = {"training": tmp_path / "training", "clipstream/models.py": tmp_path / "clipstream" / "models.py"}
+    first = cells.fingerprint(named)
+    (tmp_path / "README.md").write_text("other notes\n")
+    (tmp_path / "training" / "notes.txt").write_text("other notes\n")
+    (tmp_path / "training" / "__pycache__").mkdir()
+    (tmp_path / "training" / "__pycache__" / "job.cpython-312.pyc").write_bytes(b"\0")
+    (tmp_path / "training" / "__pycache__" / "stale.py").write_text("w = 0\n")
+    assert cells.fingerprint(named) == first  # no source file changed
+    (tmp_path / "training" / "methods" / "presets.yaml").write_text("ewc: {weight: 2}\n")
+    edited = cells.fingerprint(named)
+    assert edited != first
+    (tmp_path / "training" / "new.py").write_text("z = 4\n")  # a file added
+    assert cells.fingerprint(named) not in (first, edited)
+    (tmp_path / "training" / "new.py").unlink()
+    assert cells.fingerprint(named) == edited
+    (tmp_path / "training" / "job.py").rename(tmp_path / "training" / "moved.py")  # the same content, another name
+    assert cells.fingerprint(named) not in (first, edited)
+    copy = tmp_path / "copy"  # an installed copy of the same files: the same fingerprint
+    (copy / "methods").mkdir(parents=True)
+    (copy / "moved.py").write_text("x = 1\n")
+    (copy / "methods" / "presets.yaml").write_text("ewc: {weight: 2}\n")
+    assert cells.fingerprint({"training": copy, "clipstream/models.py": tmp_path / "clipstream" / "models.py"}) \
+        == cells.fingerprint(named)
+
+
+def test_the_code_fingerprint_covers_training_the_model_and_the_cell_code():
+    named = cells.sources()
+    assert all(path.exists() for path in named.values())
+    listed = {f"{name}/{f.relative_to(path).as_posix()}" if path.is_dir() else name
+              for name, path in named.items() for f in ([path] if path.is_file() else path.rglob("*"))}
+    for name in ("training/job.py", "training/evaluate.py", "training/methods/presets.yaml", "clipstream/models.py",
+                 "clipstream/model_configs/clipstream-vit-tiny.json", "benchmarks/cells.py"):
+        assert name in listed
+    assert not [name for name in listed if "README" in name or "results" in name or name.startswith("benchmarks/stats")]

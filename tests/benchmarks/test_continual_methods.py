@@ -29,9 +29,10 @@ def _cell(seed, hits, zero_shot, step_ms, sd=None, n=300):
 def _results():
     sd = {"sd/image_rotation_mean": 31.0, "sd/text_rotation_mean": 22.5, "sd/intermodal_deviation_mean": 9.25,
           "sd/imav_le5_pct": 80.0}
-    return {"finetune": {s: _cell(s, [[0.8], [0.3, 0.8], [0.1, 0.2, 0.8]], [0.6, 0.4, 0.3], 200.0) for s in (0, 1)},
+    seeds = (0, 1, 2)  # the benchmark's default: the paired differences' t intervals have 2 degrees of freedom
+    return {"finetune": {s: _cell(s, [[0.8], [0.3, 0.8], [0.1, 0.2, 0.8]], [0.6, 0.4, 0.3], 200.0) for s in seeds},
             "ewc weight=100": {s: _cell(10 + s, [[0.8], [0.7, 0.8], [0.7, 0.7, 0.8]], [0.6, 0.6, 0.6], 300.0, sd)
-                               for s in (0, 1)}}
+                               for s in seeds}}
 
 
 def test_the_report_has_intervals_paired_differences_recall_and_the_plots(tmp_path):
@@ -41,11 +42,12 @@ def test_the_report_has_intervals_paired_differences_recall_and_the_plots(tmp_pa
     summary = stats.bootstrap(streams, [st for t in tables.values() for st in t], "finetune", resamples=200)
     versus = stats.bootstrap(streams, bench.compared(tables), "ewc weight=100", resamples=200)
     out = tmp_path / "results" / "methods.md"
-    text = bench.methods_report(summary, results, tables, out, "clipstream bench methods --seeds 0,1", "CPU (test)",
+    text = bench.methods_report(summary, results, tables, out, "clipstream bench methods --seeds 0,1,2", "CPU (test)",
                                 "s", versus)
     assert out.read_text() == text
-    assert "Reproduce: `clipstream bench methods --seeds 0,1`" in text and "Device: CPU (test). Stream: s." in text
-    assert "Seeds 0, 1; test pairs per task: 300." in text and "hierarchical bootstrap of 200 resamples" in text
+    assert "Reproduce: `clipstream bench methods --seeds 0,1,2`" in text and "Device: CPU (test). Stream: s." in text
+    assert "Seeds 0, 1, 2; test pairs per task: 300." in text and "hierarchical bootstrap of 200 resamples" in text
+    assert "Student t interval on their differences (2 degrees of freedom" in text
     assert ("| method | AA | forgetting (lower is better) | BWT | final Rm (task-unknown AA) | zero-shot Rm "
             "| zero-shot drop (lower is better) | zero-shot top-1 % (seeds' range) | step time ×finetune | minutes |") \
         in text
@@ -67,6 +69,8 @@ def test_the_report_has_intervals_paired_differences_recall_and_the_plots(tmp_pa
     assert "Δ forgetting (ewc weight=100 − method: > 0 = lower)" in against
     section = text.split("## Paired difference against finetune")[1].split("## Paired difference against")[0]
     assert "Δ forgetting (finetune − method: > 0 = lower)" in section and "Δ AA (method − finetune)" in section
+    # one method × the 7 compared statistics, task-unknown R@1 among them (0 for both: p 1, counted all the same)
+    assert "Holm-adjusted over this table's 7 comparisons" in section and "beats finetune on (Holm CI > 0)" in section
     ewc_diff = next(line for line in section.splitlines() if line.startswith("| ewc weight=100 | "))
     assert ewc_diff.endswith("| AA, forgetting, BWT, final Rm (task-unknown AA), zero-shot Rm, zero-shot drop | - |")
     assert "| ewc weight=100 | 31.0 | 22.5 | 9.2 | 80.0 |" in text and "| finetune | 31.0" not in text
@@ -145,7 +149,7 @@ def test_a_real_run_of_two_methods_two_tasks_continued_with_a_second_seed(ray_cl
                                                                           monkeypatch, capsys):
     """The benchmark family's one real run, on a tiny stream (small tasks, each job capped at one step): the start
     trained once per seed and shared by the methods, every version's ranks cached, the report's intervals; a second
-    run with one more seed trains only that seed's cells."""
+    run of one method with one more seed trains only that seed's start and cell."""
     from functools import partial
 
     from clipstream.training.data.synth import synthesize
@@ -158,14 +162,14 @@ def test_a_real_run_of_two_methods_two_tasks_continued_with_a_second_seed(ray_cl
     monkeypatch.setattr(bench, "synthesize", partial(synthesize, train_pairs=200))
     options = dict(tasks=1, names=["finetune", "lwf"], workers=1, overrides=tiny, out=out, start_with="finetune",
                    test_per_task=40, resamples=100)
-    bench.methods(settings, seeds=[0], **options)
+    first = bench.methods(settings, seeds=[0], **options)
     assert jobs == ["finetune", "finetune", "lwf"]  # the shared start, then each method's task 2
-    text = bench.methods(settings, seeds=[0, 1], **options)
-    assert jobs[3:] == ["finetune", "finetune", "lwf"] and capsys.readouterr().out.count("finished before") == 2
-    assert "--seeds 0,1 --test-per-task 40 --methods finetune,lwf --workers 1" in text
+    text = bench.methods(settings, seeds=[0, 1], **{**options, "names": ["lwf"]})
+    assert jobs[3:] == ["finetune", "lwf"] and capsys.readouterr().out.count("finished before") == 1
+    assert "--seeds 0,1 --test-per-task 40 --methods lwf --workers 1" in text
     assert "Seeds 0, 1; test pairs per task: 40." in text
-    for label in ("finetune", "lwf"):
-        row = next(line for line in text.splitlines() if line.startswith(f"| {label} | "))
+    for label, report in (("finetune", first), ("lwf", first), ("lwf", text)):
+        row = next(line for line in report.splitlines() if line.startswith(f"| {label} | "))
         aa = row.split(" | ")[1]  # "54.3 [50.1, 58.0]"
         point, lo, hi = float(aa.split(" [")[0]), *map(float, aa.split(" [")[1].rstrip("]").split(", "))
         assert 0 < lo <= point <= hi <= 100

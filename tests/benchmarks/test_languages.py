@@ -19,14 +19,15 @@ def _cell(seed, hits, n=200):
 
 
 def test_the_report_has_english_forgetting_intervals_differences_and_the_mean_matrices(tmp_path):
-    results = {"embeddings": {s: _cell(s, [[0.8], [0.5, 0.6], [0.4, 0.3, 0.7]]) for s in (0, 1)},
-               "teir": {s: _cell(5 + s, [[0.8], [0.78, 0.5], [0.79, 0.48, 0.6]]) for s in (0, 1)}}
+    seeds = (0, 1, 2)  # the paired differences' t intervals need the seeds' spread: 2 degrees of freedom
+    results = {"embeddings": {s: _cell(s, [[0.8], [0.5, 0.6], [0.4, 0.3, 0.7]]) for s in seeds},
+               "teir": {s: _cell(5 + s, [[0.8], [0.78, 0.5], [0.79, 0.48, 0.6]]) for s in seeds}}
     tables = bench.statistics(3, TASKS[0])
     summary = stats.bootstrap(cells.streams(results), [st for t in tables.values() for st in t], "embeddings",
                               resamples=100)
     out = tmp_path / "languages.md"
     text = bench.languages_report(summary, results, tables, 3, 200, ["train.epochs=2"], [], 2, out)
-    assert ("`clipstream bench languages --languages 3 --seeds 0,1 --test-per-task 200 --streams embeddings,teir "
+    assert ("`clipstream bench languages --languages 3 --seeds 0,1,2 --test-per-task 200 --streams embeddings,teir "
             f"--workers 2 --set train.epochs=2 --resamples 100 --out {out}`") in text
     assert ("| stream | preset | AA | forgetting (lower is better) | forgetting on task-00-lang-en (lower is better) "
             "| task-00-lang-en Rm at the end | final Rm (task-unknown AA) |") in text
@@ -35,6 +36,7 @@ def test_the_report_has_english_forgetting_intervals_differences_and_the_mean_ma
     assert f"| teir | teir | {teir['AA'].format()} |" in text
     diff = next(line for line in text.splitlines() if line.startswith("| teir | +"))
     assert "forgetting on task-00-lang-en" in diff.split(" | ")[-2]  # teir beats embeddings on English forgetting
+    assert "Holm-adjusted over this table's 6 comparisons (streams × statistics)" in text  # 1 stream × 6
     assert "## teir (task-known R, mean over seeds)" in text and "task-02-lang-xb" in text
     for png in ("languages.png", "languages-forest.png"):
         assert (tmp_path / png).stat().st_size > 1000 and png in text

@@ -15,8 +15,29 @@ def test_table_formats_floats_and_keeps_formatted_cells():
 
 
 def test_write_makes_the_folder_and_ends_with_one_newline(tmp_path):
-    out = tmp_path / "deep" / "r.md"
-    assert report.write(out, ["# t", "", "x", ""]) == "# t\n\nx\n" == out.read_text()
+    out = tmp_path / "deep" / "r.json"
+    assert report.write(out, ["{}", ""]) == "{}\n" == out.read_text()  # (not markdown: as given)
+
+
+def test_every_markdown_results_file_names_the_commit_after_its_reproduce_line(tmp_path):
+    code = f"Code: `{report.code_version()}`."
+    assert report.write(tmp_path / "a.md", ["# t", "", "Reproduce: `x`", "", "y"]).splitlines() == [
+        "# t", "", "Reproduce: `x`", "", code, "", "y"]
+    assert report.write(tmp_path / "b.md", ["# t", "", "Device: d. Reproduce: `x`.", "R@K in percent.", ""]
+                        ).splitlines() == ["# t", "", "Device: d. Reproduce: `x`.", "", code, "", "R@K in percent."]
+    assert report.write(tmp_path / "c.md", ["# t", "", "x"]) == f"# t\n\n{code}\n\nx\n"  # none: after the title
+    assert report.write(tmp_path / "d.md", ["# t", "Reproduce: `x`"]).splitlines()[-2:] == ["", code]
+
+
+def test_the_code_version_is_the_checkouts_commit_or_else_the_packages_version(monkeypatch):
+    import subprocess
+
+    head = subprocess.run(["git", "-C", str(Path(report.__file__).parent), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+    if head:  # a checkout: its commit, -dirty with changes
+        assert head[:7] in report.code_version.__wrapped__()  # (describe: TAG-N-gHASH where tags exist)
+    monkeypatch.setattr(report, "git", lambda folder, *args: None)  # no git, or not a checkout
+    assert report.code_version.__wrapped__().startswith(("clipstream ", "unknown"))
 
 
 def test_device_names_the_machine_and_the_details():
@@ -59,7 +80,7 @@ def test_targets_are_written_next_to_the_results_for_the_summary_and_as_a_table(
 
     checks = [report.check("a", 1.2, at_most=1.1, why="two extra forward passes"), report.check("b", 1.0, at_least=0.9)]
     lines = report.targets(tmp_path / "x.md", checks)
-    assert json.loads((tmp_path / "x.json").read_text()) == {"checks": checks}
+    assert json.loads((tmp_path / "x.json").read_text()) == {"checks": checks, "code": report.code_version()}
     assert lines[-2:] == ["| a | 1.20 | ≤ 1.10 | **not met** (two extra forward passes) |", "| b | 1.00 | ≥ 0.90 | met |"]
 
 
