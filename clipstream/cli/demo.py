@@ -16,7 +16,7 @@ from clipstream.settings import Settings
 # searched emoji their names; experience replay of every German pair while English is learnt keeps the German (with
 # none, or 30% of them, "roter Apfel" fell out of its top 5 in some runs: README, What the demo prints)
 EMOJI_METHOD, EMOJI_SET = "er", ["train.epochs=24", "train.lr=2e-3"]
-EMOJI_ER_SET = ["method.er.buffer_fraction=1.0"]  # (with --method er, the default)
+EMOJI_ER_SET = ["method.er.buffer_fraction=1.0", "method.er.buffer_pairs=null"]  # (with --method er, the default)
 IMAGE_SIZE = 32  # the default model's input (clipstream-vit-tiny)
 # every image of the demo once, added through AddItems: what the searches look through; one per version, so that a
 # demo run again in the same home has its images embedded by its own version (a catalogue keeps the version that

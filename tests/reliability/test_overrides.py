@@ -26,7 +26,8 @@ BAD = [
     (["--method", "ewc", "--set", "method.ewc.weight=-3"], "--set method.ewc.weight=-3: expected a number >= 0"),
     (["--set", "train.epoch=2"], "--set train.epoch=2: preset 'finetune' has no key 'train.epoch' (did you mean "
                                  "train.epochs?)"),
-    (["--method", "nope"], "unknown method preset 'nope'; known: base, cclip, cllclip, ctp, ctp_er, er, ewc"),
+    (["--method", "nope"], "unknown method preset 'nope'; known: base, cclip, cllclip, cllclip-no-cross-lingual, "
+                                   "cllclip-no-decay, ctp, ctp_er, er, ewc"),
     (["--set", "train.epochs"], "--set train.epochs: must look like key.sub=value"),
     (["--set", "train.epochs=abc", "--set", "train.lr=-1"],  # every problem, still one line
      f"--set train.epochs=abc: {EPOCHS}; --set train.lr=-1: expected a number > 0"),

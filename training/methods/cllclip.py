@@ -12,12 +12,14 @@ positional embedding and the projection stay frozen. The loss is `cross_modal_we
 loss: the student's text against the frozen image tower, i.e. the teacher's image features) plus
 `cross_lingual_weight`·MSE(r^F, r^E), r^E the teacher's feature of the English caption (`caption_en`, else the
 caption) in the teacher's tokens. The teacher is the version the language stream began from, pinned in the
-state for every later task.
+state for every later task. `cross_lingual_weight: 0` switches L_cl off (no term, no teacher pass): the paper's
+cross-modal-only objective (Fig. 4, right).
 
 TEIR's regularisation (`teir_scale`): each row's gradient is scaled by λ before the optimizer sees it (λ = 1/freq
 for tokens present in this task's captions, 0 for the others and the special tokens) and its decoupled weight
 decay by the same λ, so rows of absent languages stay bit-identical. Without it λ ≡ 1: every row decays, as
-stock AdamW would. The decay is applied to the fp32 weights after each step, which DeepSpeed's ZeRO 1-3 and
+stock AdamW would (the paper's baseline; `weight_decay: 0` switches the decay off, rows then move only where the
+task's captions use them). The decay is applied to the fp32 weights after each step, which DeepSpeed's ZeRO 1-3 and
 mixed precision would overwrite from their own master copy: the method runs on ZeRO 0 in fp32 only (the table
 is small) and `methods.resolve` refuses anything else in one line (schema.TRAIN_REQUIRES).
 """
@@ -107,6 +109,8 @@ class CllClip(Method):
         return self._lam
 
     def loss_terms(self, ctx, batch, feats):
+        if not self.params["cross_lingual_weight"]:
+            return {}
         with torch.no_grad():
             english = ctx.teacher.encode_text(batch["text_en"])  # r^E: unnormalised, projected
         return {"cross_lingual": self.params["cross_lingual_weight"] * F.mse_loss(feats.text_raw, english)}

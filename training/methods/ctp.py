@@ -6,7 +6,8 @@ CLIP (no MLM terms; a fixed τ in its own terms):
   forward pass, θc ← m·θc + (1−m)/2·θ(t−1) + (1−m)/2·θt (on the first task, with no θ(t−1), a plain
   EMA with m = first_task_momentum);
 - L_cmc: each local feature contrasted against M's features of the gathered batch followed by a FIFO
-  queue of K earlier M features per modality (the queue outlives tasks);
+  queue of K earlier M features per modality (the queue outlives tasks), less the queued features of the
+  batch's own pairs (below);
 - from the second task, topology preservation against the frozen θ(t−1): L_c on the cross-modal
   similarity rows, L_s on the intra-modal ones with the diagonal filled with −1000 before /τ.
 """
@@ -24,32 +25,47 @@ from clipstream.training.methods.base import Method, forward_features, frozen, g
 
 
 class Queue:
-    """A FIFO of the last `size` feature rows (a ring buffer); starts as random unit vectors, as MoCo's."""
+    """A FIFO of the last `size` feature rows (a ring buffer) and the pair each row is of, as its caption's token ids
+    (`key_len` of them: the batches carry no pair ids, and a pair's caption is the same whenever it comes round);
+    starts as random unit vectors, as MoCo's, of no pair (keys −1, which no token id is)."""
 
-    def __init__(self, size: int, dim: int, device, seed: int = 0):
+    def __init__(self, size: int, dim: int, device, seed: int = 0, key_len: int = 1):
         g = torch.Generator().manual_seed(seed)
         self.rows = F.normalize(torch.randn(size, dim, generator=g), dim=-1).to(device)
+        self.keys = torch.full((size, key_len), -1, dtype=torch.long, device=device)
         self.ptr = 0
 
-    def push(self, x: torch.Tensor) -> None:
-        x = x.detach()[-len(self.rows):].to(self.rows)
-        idx = (self.ptr + torch.arange(len(x))) % len(self.rows)
-        self.rows[idx.to(self.rows.device)] = x
+    def push(self, x: torch.Tensor, keys: torch.Tensor) -> None:
+        x, keys = x.detach()[-len(self.rows):].to(self.rows), keys[-len(self.rows):].to(self.keys)
+        idx = ((self.ptr + torch.arange(len(x))) % len(self.rows)).to(self.rows.device)
+        self.rows[idx], self.keys[idx] = x, keys
         self.ptr = int((self.ptr + len(x)) % len(self.rows))
+
+    def holding(self, keys: torch.Tensor) -> torch.Tensor:
+        """[size] bool: the rows of one of the pairs `keys` (token rows), by exact equality."""
+        _, ids = torch.unique(torch.cat([keys.to(self.keys), self.keys]), dim=0, return_inverse=True)
+        return torch.isin(ids[len(keys):], ids[:len(keys)])
 
     def ordered(self) -> torch.Tensor:
         """Oldest first."""
         return torch.roll(self.rows, -self.ptr, dims=0)
 
 
-def cmc_loss(img, txt, m_img, m_txt, q_img, q_txt, tau: float):
+def cmc_loss(img, txt, m_img, m_txt, q_img, q_txt, tau: float, stale=None):
     """L_ita^c: each local feature against [M's gathered batch ; queue] of the other modality, positive at
-    its global column. Returns the loss and M's gathered features (for the queue)."""
+    its global column; `stale` ([K] bool): queue rows left out of the contrast set. Returns the loss and M's
+    gathered features (for the queue)."""
     with torch.no_grad():
         m_img, m_txt = gather(m_img), gather(m_txt)
     own = positive_columns(img.shape[0], img.device)
-    loss = (F.cross_entropy(img @ torch.cat([m_txt, q_txt]).T / tau, own)
-            + F.cross_entropy(txt @ torch.cat([m_img, q_img]).T / tau, own)) / 2
+
+    def logits(x, batch, queue):
+        scores = x @ torch.cat([batch, queue]).T / tau
+        if stale is None:
+            return scores
+        return scores.masked_fill(F.pad(stale, (len(batch), 0))[None], float("-inf"))  # (a softmax weight of 0)
+
+    loss = (F.cross_entropy(logits(img, m_txt, q_txt), own) + F.cross_entropy(logits(txt, m_img, q_img), own)) / 2
     return loss, (m_img, m_txt)
 
 
@@ -124,30 +140,42 @@ class CTP(Method):
         with torch.no_grad(), torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype != torch.float32), \
                 record_function("momentum forward"):
             m = forward_features(self.momentum_model, batch["image"], batch["text"])
-        q_img, q_txt = self._queue("image", feats), self._queue("text", feats)
+        q_img, q_txt = self._queue("image", feats, batch), self._queue("text", feats, batch)
         tau = self.params["tau"]
-        cmc, (m_img, m_txt) = cmc_loss(feats.image, feats.text, m.image, m.text, q_img.rows, q_txt.rows, tau)
+        # CTP's queue holds other pairs only: K = 1024 is 2 global batches, and a P9D task's 38k-236k pairs come
+        # round once an epoch, 74-461 steps apart. A task smaller than the queue (here: K = 256 against tasks of
+        # ~150 pairs) would contrast each pair with its own earlier momentum features, false negatives that its
+        # code never meets: the queued rows of the batch's pairs are left out, which at CTP's sizes leaves out only
+        # another pair with the very same caption, a text the model cannot tell from the positive's either.
+        # (Both queues hold the same pairs: they are pushed together.)
+        with torch.no_grad():
+            pairs = gather(batch["text"])
+        stale = q_txt.holding(pairs)
+        cmc, (m_img, m_txt) = cmc_loss(feats.image, feats.text, m.image, m.text, q_img.rows, q_txt.rows, tau, stale)
         terms = {"cmc": self.params["cmc_weight"] * cmc}
         if ctx.teacher is not None:
             r = ctx.teacher_features(batch)
             l_c, l_s = topology_losses(feats.image, feats.text, r.image, r.text, tau)
             terms.update(topology_c=self.params["topology_weight"] * l_c, topology_s=self.params["topology_weight"] * l_s)
-        q_img.push(m_img)  # after use: this step contrasted against the queue as it was
-        q_txt.push(m_txt)
+        q_img.push(m_img, pairs)  # after use: this step contrasted against the queue as it was
+        q_txt.push(m_txt, pairs)
         return terms
 
-    def _queue(self, modality: str, feats) -> Queue:
+    def _queue(self, modality: str, feats, batch) -> Queue:
         if modality not in self.queues:
             saved = self._saved.pop(f"queue_{modality}", None)
             queue = Queue(self.params["queue_size"], feats.image.shape[1], feats.image.device,
-                          seed=self.params.get("seed", 0) + (modality == "text"))
-            if saved is not None:
+                          seed=self.params.get("seed", 0) + (modality == "text"), key_len=batch["text"].shape[1])
+            if saved is not None:  # (a state saved without keys: its rows count as other pairs')
                 queue.rows, queue.ptr = saved["rows"].to(feats.image.device), saved["ptr"]
+                if "keys" in saved:
+                    queue.keys = saved["keys"].to(feats.image.device)
             self.queues[modality] = queue
         return self.queues[modality]
 
     def state_dict(self):
-        state = {f"queue_{k}": {"rows": q.rows.cpu(), "ptr": q.ptr} for k, q in self.queues.items()}
+        state = {f"queue_{k}": {"rows": q.rows.cpu(), "keys": q.keys.cpu(), "ptr": q.ptr}
+                 for k, q in self.queues.items()}
         if self.momentum_model is not None:
             state["momentum"] = {k: v.detach().cpu() for k, v in self.momentum_model.state_dict().items()}
         return {**self._saved, **state}

@@ -2,12 +2,14 @@
 Its size is one of:
 
 - `buffer_pairs`: a fixed number over the whole stream, a reservoir sample (Algorithm R): after n pairs each has been
-  kept with probability buffer_pairs / n (CTP's ER: 10k pairs);
-- `buffer_fraction` f: a share of the pairs seen so far (the papers' ~1%: 10k of CTP's ~1M pairs), so the buffer
-  grows as pairs arrive. Each task keeps ⌊f·m⌋ of its m pairs, plus one more with probability f·m − ⌊f·m⌋, drawn
-  uniformly without replacement, and nothing kept is ever dropped: every pair seen has been kept with probability
-  exactly f, and after n pairs over T tasks the buffer holds f·n of them up to T (one per task's rounding). (A
-  reservoir whose capacity grows cannot be uniform: a pair it once dropped would have to come back.)
+  kept with probability buffer_pairs / n. CTP's ER: 10,000 pairs, full from the first task on, 8.9% of its mean task
+  (the `er` preset scales that to the tasks here);
+- `buffer_fraction` f: a share of the pairs seen so far (10k is ~1% of CTP's ~1M pairs), so the buffer grows as pairs
+  arrive, and on small tasks replays a handful of them (1% of a 900-pair task is 9). Each task keeps ⌊f·m⌋ of its m
+  pairs, plus one more with probability f·m − ⌊f·m⌋, drawn uniformly without replacement, and nothing kept is ever
+  dropped: every pair seen has been kept with probability exactly f, and after n pairs over T tasks the buffer holds
+  f·n of them up to T (one per task's rounding). (A reservoir whose capacity grows cannot be uniform: a pair it once
+  dropped would have to come back.)
 
 The buffer holds the pairs themselves (image bytes and caption), not paths, so it survives the raw data
 of old tasks being deleted, and it travels in the method state registered with each version. At the

@@ -1,81 +1,66 @@
-"""Importance-weighted penalties (EWC, MAS): a quadratic pull toward the previous task's weights,
-each parameter weighted by its importance; subclasses say how importance is measured and merged.
+"""Importance-weighted penalties (EWC, MAS) as CTP's baselines measure and apply them (Zhu et al., ICCV 2023,
+arXiv:2308.07146; official code train/train_EWC.py, train/train_MAS.py): a quadratic pull toward the previous task's
+weights, each parameter weighted by its importance; subclasses say what objective's gradient is measured and how.
 
-Penalty: weight · Σ_k Ω_k (θ_k − θ*_k)², θ* = the previous version (the frozen teacher); zero on task 1.
+Penalty: weight · Σ_k Ω_k (θ_k − θ*_k)², θ* = the previous version (the frozen teacher); zero on task 1. CTP's code
+adds λ · Σ Ω (θ − θ*)² / 2, so weight = λ/2 of its λ.
 
-Importances are measured at the end of each task on its last `batches` batches, from per-sample gradients: Ω is the
-mean over the samples of measure(∇θ ℓ_i) (EWC: g², the diagonal empirical Fisher; MAS: |g|), not the measure of the
-batch's mean gradient, which underestimates it (mean g² ≥ (mean g)²). Each sample's gradient is one sample's forward
-and backward (`Importance.sample_objective` says what ℓ_i is), taken `chunk` samples at a time with torch.func
-(vmap of grad; memory: chunk × the trainable parameters). They run on a plain fp32 copy of the model made before the
-engine takes it and loaded with the live weights for the measurement: under ZeRO-3 the live module holds partitions
-that hooks gather around each call, which torch.func does not trace through (CTP's momentum model is kept the same
-way). The importances are averaged over ranks and kept (on CPU) in the method state registered with the version;
-the measurement's seconds are logged as `method/importance_seconds`.
+Importances are measured at the end of each task as CTP's code does: Ω is the mean over the task's batches of
+measure(∇θ objective(batch)), the gradient of the whole batch's objective (EWC: g², MAS: |g|), taken on the task's
+last-epoch batches, every one of them (`batches` null: one pass over the task's data at its final weights, CTP's
+`getFisherDiagonal`), or the last `batches` of them (an estimate of the same mean from fewer batches, which the engine
+then holds until the task ends); merged over tasks as a running mean, Ω ← ((t−1)·Ω + Ω_new)/t (`alpha =
+iteration/(iteration+1)` there). The gradients are taken on a plain fp32 copy of the model made before the engine
+takes it and loaded with the live weights for the measurement: under ZeRO-3 the live module holds partitions that
+hooks gather around each call, and its backward would reduce into the engine's gradient buffers (CTP's momentum model
+is kept the same way). Each rank measures its own batches, with the objective on its local batch; the importances
+are averaged over ranks (every rank keeps the same) and kept (on CPU) in the method state registered with the
+version; the measurement's seconds are logged as `method/importance_seconds`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import sys
 import time
-import warnings
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.func import functional_call, grad, vmap
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from clipstream.training.methods.base import (
+    Features,
     Method,
     TaskContext,
+    forward_features,
     frozen,
     gathered,
-    towers,
     trainable,
 )
 
-# objective(image_raw, text_raw, scale, batch, i): sample i's scalar term from its own pre-normalisation features
-# ([D] each) and exp(logit_scale), with `batch` = (images, texts), the batch's normalised features, as constants
-Objective = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple, torch.Tensor], torch.Tensor]
 
-
-def per_sample_importance(model: torch.nn.Module, names: list[str], batches: list[dict], objective: Objective,
-                          measure: Callable[[torch.Tensor], torch.Tensor], chunk: int) -> dict[str, torch.Tensor]:
-    """{name: the mean over every sample of `batches` of measure(∇ objective_i)} for `model`'s parameters `names`
-    (the others constant), fp32. `model` is a plain module (no ZeRO-3 partitions); its forward is swapped for the
-    towers' for the duration."""
-    wanted = set(names)
-    theta = {n: p.detach() for n, p in model.named_parameters() if n in wanted}
-    dtype = next(iter(theta.values())).dtype
-
-    def term(theta, image, text, i, batch):
-        image_raw, text_raw, scale = functional_call(model, theta, (image[None], text[None]))
-        return objective(image_raw[0].float(), text_raw[0].float(), scale.float().reshape(()), batch, i)
-
-    per_sample = vmap(grad(term), in_dims=(None, 0, 0, 0, None))
-    total = {n: torch.zeros(t.shape, dtype=torch.float32, device=t.device) for n, t in theta.items()}
-    count = 0
-    # On CUDA, vmap hands the fused attention kernels a mask without the batch dimension they check for ("attn_bias:
-    # wrong shape"): torch's math attention there, which vmap batches like any matmul and softmax.
-    math_attention = sdpa_kernel(SDPBackend.MATH) if next(iter(theta.values())).is_cuda else contextlib.nullcontext()
-    with towers(model), warnings.catch_warnings(), math_attention:
-        # torch's fused CPU attention has no vmap rule: vmap runs it sample by sample, which costs little next to the
-        # gradients themselves, and says so on every call
-        warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
+def batch_importance(model: torch.nn.Module, names: list[str], batches: list[dict],
+                     objective: Callable[[Features], torch.Tensor],
+                     measure: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{name: the mean over `batches` of measure(∇ objective(the batch's features))} for `model`'s parameters `names`
+    (the others constant), fp32. `model` is a plain module (no ZeRO-3 partitions) whose parameters do not otherwise
+    train: they take gradients for the duration."""
+    params = dict(model.named_parameters())
+    wanted = [params[n] for n in names]
+    total = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in zip(names, wanted)}
+    for p in wanted:
+        p.requires_grad_(True)
+    try:
         for b in batches:
-            image, text = b["image"].to(dtype), b["text"]
-            with torch.no_grad():
-                image_raw, text_raw, _ = model(image, text)
-            batch = (F.normalize(image_raw.float(), dim=-1), F.normalize(text_raw.float(), dim=-1))
-            for start in range(0, len(image), chunk):
-                i = torch.arange(start, min(start + chunk, len(image)), device=image.device)
-                for n, g in per_sample(theta, image[i], text[i], i, batch).items():
-                    total[n] += measure(g.float()).sum(0)
-            count += len(image)
-    return {n: v / max(count, 1) for n, v in total.items()}
+            grads = torch.autograd.grad(objective(forward_features(model, b["image"], b["text"])), wanted,
+                                        allow_unused=True)  # (MAS's features' norms do not reach the logit scale)
+            for n, g in zip(names, grads):
+                if g is not None:
+                    total[n] += measure(g.float())
+    finally:
+        for p in wanted:
+            p.requires_grad_(False)
+    return {n: v / max(len(batches), 1) for n, v in total.items()}
 
 
 class QuadraticPull(torch.autograd.Function):
@@ -107,8 +92,8 @@ class Importance(Method):
 
     def __init__(self, params: dict):
         super().__init__(params)
-        self.task_end_batches = int(params.get("batches", 8))
-        self.chunk = int(params.get("chunk", 16))
+        # null: every batch of the last epoch (the engine's window of them is then unbounded)
+        self.task_end_batches = sys.maxsize if params.get("batches") is None else int(params["batches"])
         self.importance: dict[str, torch.Tensor] = {}
         self.tasks = 0
         self._flat = None  # (live parameters, rows pulled, √(weight·Ω), θ*) for this task, on the device
@@ -163,29 +148,25 @@ class Importance(Method):
                 p.copy_(live[n])
             for n, b in plain.named_buffers():
                 b.copy_(buffers[n])
-        new = per_sample_importance(plain, list(trainable(ctx.model)), batches, self.sample_objective, self.measure,
-                                    self.chunk)
-        if ctx.world_size > 1:  # every rank keeps the same importances: the mean over their samples
+        new = batch_importance(plain, list(trainable(ctx.model)), batches, self.objective, self.measure)
+        if ctx.world_size > 1:  # every rank keeps the same importances: the mean over their batches
             for v in new.values():
                 dist.all_reduce(v)
                 v /= ctx.world_size
         self.tasks += 1
-        self.importance = {n: self.merge(self.importance.get(n), v.cpu(), self.tasks) for n, v in new.items()}
+        t, old = self.tasks, self.importance
+        self.importance = {n: ((t - 1) * old[n] + v.cpu()) / t if n in old else v.cpu() for n, v in new.items()}
         self._flat = None
         self._seconds = time.perf_counter() - tic
 
     def task_metrics(self):
         return {} if self._seconds is None else {"importance_seconds": self._seconds}
 
-    def sample_objective(self, image_raw: torch.Tensor, text_raw: torch.Tensor, scale: torch.Tensor, batch: tuple,
-                         i: torch.Tensor) -> torch.Tensor:
-        """Sample i's term whose gradient is measured (an `Objective`)."""
+    def objective(self, feats: Features) -> torch.Tensor:
+        """The scalar of one batch's features whose gradient is measured."""
         raise NotImplementedError
 
     def measure(self, grad: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def merge(self, old, new: torch.Tensor, t: int) -> torch.Tensor:
         raise NotImplementedError
 
     def state_dict(self):

@@ -1,7 +1,8 @@
-"""MAS: importance = the mean over samples of |gradient| of each sample's squared L2 norm of its *pre-normalisation*
-features, image and text (MAS's F(x) = ℓ2²(output) per sample; a normalised vector's norm is constant, so it has no
-gradient); accumulated, Ω ← Ω + Ω_new (as in "Continual learning in cross-modal retrieval", Wang et al.,
-arXiv:2104.06806)."""
+"""MAS as CTP's baseline (Zhu et al., ICCV 2023, arXiv:2308.07146; official code train/train_MAS.py): importance =
+|gradient| of the batch mean of the plain L2 norms of the *pre-normalisation* features, image plus text (CTP's model
+adds its fused [CLS], which a CLIP has not; a normalised vector's norm is constant, so it has no gradient), averaged
+over the task's batches at the task's end; merged over tasks as a running mean (training/methods/importance.py).
+Its λ = 1 is `weight` = 0.5."""
 
 from clipstream.training.methods.importance import Importance
 
@@ -9,11 +10,8 @@ from clipstream.training.methods.importance import Importance
 class MAS(Importance):
     name = "mas"
 
-    def sample_objective(self, image_raw, text_raw, scale, batch, i):
-        return image_raw.pow(2).sum() + text_raw.pow(2).sum()
+    def objective(self, feats):
+        return feats.image_raw.norm(dim=-1).mean() + feats.text_raw.norm(dim=-1).mean()
 
     def measure(self, grad):
         return grad.abs()
-
-    def merge(self, old, new, t):
-        return new if old is None else old + new

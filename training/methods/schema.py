@@ -72,9 +72,9 @@ class JointParams(Section):
 class ImportanceParams(Section):  # EWC, MAS (training/methods/importance.py)
     weight: float = Field(ge=0, description="penalty = weight · Σ Ω (θ − θ*)², the pull toward the previous "
                           "task's weights")
-    batches: int = Field(8, ge=1, description="last batches of the task that measure the importances")
-    chunk: int = Field(16, ge=1, description="samples whose gradients are taken at once when measuring (memory: "
-                       "chunk × the trainable parameters)")
+    batches: Optional[int] = Field(None, ge=1, description="last-epoch batches whose gradients measure the "
+                                   "importances, held until the task ends (null: all of them, one pass over the "
+                                   "task as CTP's code measures)")
 
 
 class LwFParams(Section):
@@ -93,7 +93,7 @@ class ERParams(Section):
     def _one_size(self):
         if (self.buffer_pairs is None) == (self.buffer_fraction is None):
             raise ValueError("give exactly one of buffer_pairs and buffer_fraction, the other null (e.g. --set "
-                             "method.er.buffer_fraction=null with --set method.er.buffer_pairs=N)")
+                             "method.er.buffer_pairs=null with --set method.er.buffer_fraction=F)")
         return self
 
 
@@ -122,8 +122,11 @@ class CClipParams(Section):
     merge: float = Field(ge=0, description="α: W += α·s·B·A at task end, then the adapters are removed")
     targets: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1, description="the weights that get "
                                                                "adapters, by name suffix, e.g. attn.in_proj_weight")
+    embeddings: list[Annotated[str, Field(min_length=1)]] = Field(description="parameters trained in full beside "
+                                                                  "the adapters, kept whole at the merge, by exact "
+                                                                  "name, e.g. token_embedding.weight ([]: LoRA only)")
     ckc_weight: float = Field(ge=0, description="scale of the contrastive knowledge consolidation term")
-    text_lr_scale: float = Field(ge=0, description="text tower LR = this × train.lr")
+    text_lr_scale: float = Field(ge=0, description="text tower LR = this × train.lr, its embeddings included")
 
 
 class CllClipParams(Section):
@@ -131,10 +134,10 @@ class CllClipParams(Section):
     teir_init: bool = Field(description="new rows from N(mean, std²) of the old table, else N(0, 0.02²)")
     teir_scale: bool = Field(description="λ-scaled gradients and decay, else λ ≡ 1")
     weight_decay: float = Field(ge=0, description="decoupled per-row weight decay of the token embeddings, scaled "
-                                "by λ")
+                                "by λ, 0 = none")
     cross_modal_weight: float = Field(ge=0, description="scale of L_cm, the CLIP loss")
     cross_lingual_weight: float = Field(ge=0, description="scale of L_cl, the distance to the English caption's "
-                                        "feature")
+                                        "feature, 0 = off")
 
 
 METHOD_PARAMS: dict[str, type[Section]] = {

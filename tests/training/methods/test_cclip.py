@@ -1,5 +1,6 @@
 """C-CLIP's checklist (the method card): adapters on a real tiny open_clip model, fused attention projections
-included; merge and removal; the previous model by switching adapters off; CKC's algebra; where gradients flow."""
+included; embedding layers trained in full; merge and removal; the previous model by switching adapters off; CKC's
+algebra; where gradients flow; the text tower's rate."""
 
 import copy
 
@@ -9,13 +10,14 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from clipstream import models
-from clipstream.training.engine import prepare_for_deepspeed
+from clipstream.training.engine import param_groups, prepare_for_deepspeed
 from clipstream.training.losses import ckc_loss, clip_loss
 from clipstream.training.methods import build, lora, resolve
 from clipstream.training.methods.base import TaskContext, forward_features
 from clipstream.training.methods.cclip import PROJECTOR
 
 TARGETS = resolve("cclip")["method"]["cclip"]["targets"]
+EMBEDDINGS = resolve("cclip")["method"]["cclip"]["embeddings"]
 
 
 @pytest.fixture
@@ -36,11 +38,12 @@ def _features(model, batch):
 
 
 def _randomise(model, seed=3):
-    """Adapters as training leaves them: B no longer zero."""
+    """Adapters as training leaves them: B (and a full delta D) no longer zero."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for a in lora.adapters(model).values():
-            a.B.copy_(torch.randn(a.B.shape, generator=g) * 0.05)
+            delta = a.B if isinstance(a, lora.LoRA) else a.D
+            delta.copy_(torch.randn(delta.shape, generator=g) * 0.05)
 
 
 def test_adapters_cover_the_fused_attention_weights_of_both_towers_and_start_as_the_base_model(model, batch):
@@ -85,7 +88,7 @@ def test_a_merged_version_is_stock_open_clip_with_only_the_targeted_weights_chan
     assert not lora.adapters(plain) and not hasattr(plain, PROJECTOR)
     assert {k: v.shape for k, v in plain.state_dict().items()} == {k: v.shape for k, v in base.state_dict().items()}
     changed = {k for k, v in plain.state_dict().items() if not torch.equal(v, base.state_dict()[k])}
-    assert changed and all(k.endswith(tuple(TARGETS)) for k in changed)
+    assert set(EMBEDDINGS) <= changed and all(k.endswith(tuple(TARGETS)) or k in EMBEDDINGS for k in changed)
 
     # the export loads in stock open_clip, whose state dict has exactly these names and shapes
     import open_clip
@@ -112,12 +115,12 @@ def test_after_two_tasks_the_weights_are_the_base_plus_each_tasks_merged_delta(m
         assert torch.allclose(value, expected, atol=1e-6), name
 
 
-def test_only_adapters_and_the_projector_learn_and_the_previous_model_gets_no_gradient(model, batch):
+def test_only_adapters_embeddings_and_the_projector_learn_and_the_previous_model_gets_no_gradient(model, batch):
     method = build(resolve("cclip", ["method.cclip.rank=4", "method.cclip.dropout=0"]))
     model = method.prepare_model(model).train()
     _randomise(model)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable and all(n.endswith((".A", ".B")) or n.startswith(PROJECTOR) for n in trainable)
+    assert trainable and all(n.endswith((".A", ".B", ".D")) or n.startswith(PROJECTOR) for n in trainable)
     assert "logit_scale" not in trainable
     frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     ctx = TaskContext(model=model, task_index=1, rank=0, world_size=1, device=torch.device("cpu"))
@@ -155,9 +158,44 @@ def test_ckc_is_infonce_on_the_stacked_items_twice_and_ignores_batch_order():
     assert torch.allclose(ckc_loss([a, b], [a, b], scale), 2 * row)
 
 
+def test_embedding_layers_train_in_full_at_the_text_rate_and_the_export_keeps_them_whole(model, batch):
+    """§5.2: "most of the trainable parameters are embedding layers"; Appendix A.2: text rate 10 x the image one."""
+    base = copy.deepcopy(model)
+    config = resolve("cclip", ["method.cclip.rank=4", "method.cclip.dropout=0"])  # the preset's embeddings and rate
+    lr = config["train"]["lr"]
+    method = build(config)
+    model = method.prepare_model(model).train()
+    deltas = {name: a.D for name, a in lora.adapters(model).items() if isinstance(a, lora.Full)}
+    assert set(deltas) == set(EMBEDDINGS) and "token_embedding.weight" in deltas
+    groups = param_groups(model, config["train"]["weight_decay"], lr, method.lr_scale)
+    rate = {id(p): (g.get("lr", lr), g["weight_decay"]) for g in groups for p in g["params"]}
+    assert rate[id(deltas["token_embedding.weight"])] == (pytest.approx(10 * lr), 0.0)  # text rate, no decay
+    assert rate[id(deltas["positional_embedding"])] == (pytest.approx(10 * lr), 0.0)
+    assert rate[id(deltas["visual.positional_embedding"])] == (pytest.approx(lr), 0.0)
+
+    optimizer = torch.optim.AdamW(groups, lr=lr)
+    ctx = TaskContext(model=model, task_index=1, rank=0, world_size=1, device=torch.device("cpu"))
+    feats = forward_features(model, batch["image"], batch["text"])
+    (clip_loss(feats.image, feats.text, feats.logit_scale) + method.loss_terms(ctx, batch, feats)["ckc"]).backward()
+    optimizer.step()
+    table, before = model.token_embedding.weight.detach(), base.token_embedding.weight
+    used = torch.zeros(len(table), dtype=torch.bool)  # the tokens up to each end of text (the padding is unseen)
+    used[torch.cat([ids[:int(ids.argmax()) + 1] for ids in batch["text"]])] = True
+    moved = (table != before).any(1)
+    assert moved[used].all() and not moved[~used].any()  # the batch's tokens learnt, in full
+    with lora.disabled(model):  # the previous model, embeddings included
+        assert torch.equal(_features(model.eval(), batch), _features(base, batch))
+
+    plain = method.export_model(model)  # LoRA merged at 0.5, the embeddings whole
+    for name in EMBEDDINGS:
+        owner, _, attr = name.rpartition(".")
+        trained = getattr(model.get_submodule(owner), attr)
+        assert torch.equal(plain.state_dict()[name], trained), name
+
+
 def _rates(rank, world):
-    """{parameter name: its learning rate} in a real DeepSpeed engine after two scheduler steps, for C-CLIP at
-    text_lr_scale 10."""
+    """{parameter name: its learning rate} in a real DeepSpeed engine after two scheduler steps, for the C-CLIP
+    preset (text_lr_scale 10)."""
     import os
 
     import deepspeed
@@ -166,7 +204,7 @@ def _rates(rank, world):
 
     # the gloo group is up already; these tell DeepSpeed so (else it looks for MPI)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)})
-    config = resolve("cclip", ["method.cclip.text_lr_scale=10", "train.lr=0.001", "train.warmup_steps=0"])
+    config = resolve("cclip", ["train.lr=0.001", "train.warmup_steps=0"])
     method = build(config)
     model = method.prepare_model(prepare_for_deepspeed(models.create("clipstream-vit-tiny").model))
     groups = param_groups(model, config["train"]["weight_decay"], config["train"]["lr"], method.lr_scale)
@@ -190,3 +228,7 @@ def test_the_text_tower_trains_at_text_lr_scale_times_the_rate_through_deepspeed
     assert 0 < lr < 0.001  # the cosine schedule moved every group
     assert all(rates[n] == pytest.approx(10 * lr) for n in text) and all(rates[n] == pytest.approx(lr) for n in image)
     assert rates["cclip_projector.weight"] == pytest.approx(lr)
+    # the embeddings' full deltas: the text tower's at its rate, the image tower's at the image rate
+    assert rates["token_embedding.parametrizations.weight.0.D"] == pytest.approx(10 * lr)
+    assert rates["parametrizations.text_projection.0.D"] == pytest.approx(10 * lr)
+    assert rates["visual.parametrizations.positional_embedding.0.D"] == pytest.approx(lr)

@@ -1,6 +1,7 @@
 """CLL-CLIP + TEIR's checklist (the method card, §8): the grown version is stock open_clip; old rows and features
 unchanged by growth, new rows from the old table's statistics; λ; only token embeddings and the temperature learn,
-and rows with λ = 0 stay bit-identical. The vocabulary itself: test_vocabulary.py; a 3-task stream: test_streams.py."""
+and rows with λ = 0 stay bit-identical; each ablation preset switches one thing off. The vocabulary itself:
+test_vocabulary.py; a 3-task stream: test_streams.py."""
 
 import copy
 
@@ -17,6 +18,9 @@ from clipstream.training.methods.base import TaskContext, forward_features
 from clipstream.training.methods.cllclip import TRAINED
 
 EOT = 49407
+# CLL-CLIP's ablation presets: the one knob each changes from `cllclip`, and its value there
+ABLATIONS = {"cllclip-no-cross-lingual": ("method.cllclip.cross_lingual_weight", 0.0),
+             "cllclip-no-decay": ("method.cllclip.weight_decay", 0.0)}
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +101,24 @@ def open_clip_rows(task):
     return Task.load(task).check("train").rows
 
 
-@pytest.mark.parametrize("preset", ["teir", "cllclip"])
+def _flat(config: dict, prefix: str = "") -> dict:
+    """{"train.lr": 1e-3, ...}: every leaf of a resolved config by its dotted key."""
+    out = {}
+    for key, value in config.items():
+        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
+@pytest.mark.parametrize("scale", ["", "-vit-b-16", "-vit-b-32"])
+@pytest.mark.parametrize("ablation", sorted(ABLATIONS))
+def test_each_ablation_preset_is_cllclip_with_exactly_one_knob_switched_off(ablation, scale):
+    paper, ablated = _flat(resolve(f"cllclip{scale}")), _flat(resolve(f"{ablation}{scale}"))
+    key, value = ABLATIONS[ablation]
+    assert {k for k in paper.keys() | ablated.keys() if paper.get(k) != ablated.get(k)} == {"preset", key}
+    assert paper[key] > 0 and ablated[key] == value
+
+
+@pytest.mark.parametrize("preset", ["teir", "cllclip", *ABLATIONS])
 def test_only_token_embeddings_and_temperature_learn_and_rows_with_zero_scale_stay_bit_identical(languages, tmp_path, preset):
     method, grown = _grow(languages, tmp_path, preset)
     student = models.load_exported(grown)
@@ -115,7 +136,10 @@ def test_only_token_embeddings_and_temperature_learn_and_rows_with_zero_scale_st
     for _ in range(3):
         feats = forward_features(model, batch["image"], batch["text"])
         terms = method.loss_terms(ctx, batch, feats)
-        assert set(terms) == {"cross_lingual"} and terms["cross_lingual"] > 0
+        if preset == "cllclip-no-cross-lingual":  # switched off: no term (and no teacher pass)
+            assert terms == {}
+        else:
+            assert set(terms) == {"cross_lingual"} and terms["cross_lingual"] > 0
         (method.clip_weight * clip_loss(feats.image, feats.text, feats.logit_scale, distributed=False)
          + sum(terms.values())).backward()
         assert all(p.grad is None for n, p in model.named_parameters() if n not in TRAINED)
@@ -131,5 +155,9 @@ def test_only_token_embeddings_and_temperature_learn_and_rows_with_zero_scale_st
     used[batch["text"].unique()] = True
     if preset == "teir":  # rows of absent tokens and specials: bit-identical; present ones learnt
         assert not moved[lam == 0].any() and moved[used & (lam > 0)].all()
+    elif preset == "cllclip-no-decay":  # λ ≡ 1 without decay: exactly the rows the captions feed, up to end of text
+        seen = torch.zeros(len(lam), dtype=torch.bool)
+        seen[torch.cat([ids[:int((ids == EOT).nonzero()[0]) + 1] for ids in batch["text"]])] = True
+        assert torch.equal(moved, seen)
     else:  # λ ≡ 1: stock decay moves every row, those of absent languages too (the forgetting TEIR stops)
         assert moved.all()

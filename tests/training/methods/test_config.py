@@ -32,7 +32,8 @@ CUSTOM = {
 
 SHIPPED = {"finetune": [], "joint": ["joint"], "ewc": ["ewc"], "mas": ["mas"], "lwf": ["lwf"], "er": ["er"],
            "modx": ["modx"], "ctp": ["ctp"], "ctp_er": ["ctp", "er"], "cclip": ["cclip"], "cllclip": ["cllclip"],
-           "teir": ["cllclip"]}
+           "teir": ["cllclip"], "cllclip-no-cross-lingual": ["cllclip"], "cllclip-no-decay": ["cllclip"]}
+LANGUAGE = ("cllclip", "teir", "cllclip-no-cross-lingual", "cllclip-no-decay")  # CLL-CLIP's: fp32, ZeRO 0
 
 
 def test_shipped_presets_resolve_with_all_base_keys_and_build_their_methods():
@@ -73,11 +74,13 @@ def test_every_method_at_scale_is_a_pretrained_clip_in_bf16_with_its_papers_valu
         # OpenAI's weights were trained with QuickGELU: open_clip's `-quickgelu` config is the one that matches them
         assert model["arch"] == arch and "openai" in open_clip.list_pretrained_tags_by_model(arch)
         # CLL-CLIP's per-row decay edits fp32 weights that ZeRO and mixed precision would overwrite
-        fp32 = name in ("cllclip", "teir")
+        fp32 = name in LANGUAGE
         assert (train["precision"], train["zero_stage"]) == (("fp32", 0) if fp32 else ("bf16", 2)), name
         assert train["micro_batch"] == (128 if fp32 else 70 if (name, scale) == ("modx", "vit-b-32") else batch), name
         assert train["warmup_ratio"] > 0 or name in ("ctp", "ctp_er")  # CTP's schedule has no warm-up
-    assert resolve(f"cclip-{scale}")["method"]["cclip"]["text_lr_scale"] == 10.0  # C-CLIP: text LR = 10 x image LR
+    # C-CLIP: text LR = 10 x image LR (Appendix A.2), at every scale
+    assert resolve(f"cclip-{scale}")["method"]["cclip"]["text_lr_scale"] == resolve("cclip")["method"]["cclip"][
+        "text_lr_scale"] == 10.0
     assert resolve(f"cclip-{scale}")["train"]["epochs"] == 40
     ctp = resolve(f"ctp-{scale}")
     assert ctp["method"]["ctp"]["queue_size"] == 1024 and ctp["train"]["weight_decay"] == 0.05

@@ -1,5 +1,6 @@
-"""ER's buffer as a fraction of the pairs seen (training/methods/er.py): every pair kept with that probability, the
-buffer's size after n pairs, and the schema's one-size rule. (The fixed-size reservoir: test_methods.py.)"""
+"""ER's buffer (training/methods/er.py): as a fraction of the pairs seen, every pair kept with that probability and
+the buffer's size after n pairs; the `er` preset's fixed size, CTP's scaled to the tasks here; the schema's one-size
+rule. (The fixed-size reservoir: test_methods.py.)"""
 
 import math
 
@@ -55,14 +56,29 @@ def test_er_with_a_fraction_grows_its_buffer_with_the_stream_and_keeps_what_it_k
         before = list(er.pairs)
 
 
-def test_the_er_preset_keeps_the_papers_one_percent_and_exactly_one_size_is_given():
-    assert resolve("er")["method"]["er"] == {"buffer_fraction": 0.01, "buffer_pairs": None, "seed": 0}
+def test_the_er_preset_is_ctps_buffer_scaled_to_these_tasks_and_exactly_one_size_is_given():
+    # CTP: 10,000 pairs (§5) against P9D's 1,014,599 pairs in 9 tasks; here the bench stream's 4 tasks
+    ctp_share = 10_000 / (1_014_599 / 9)
+    assert resolve("er")["method"]["er"] == {"buffer_pairs": round(ctp_share * (886 + 951 + 163 + 151) / 4),
+                                             "buffer_fraction": None, "seed": 0}
+    assert resolve("er")["method"]["er"]["buffer_pairs"] > 5 * 0.01 * 951  # not the ~9 pairs a task of 1% of them
     assert resolve("er-vit-b-16")["method"]["er"] == {"buffer_fraction": None, "buffer_pairs": 10000, "seed": 0}
-    assert resolve("er", ["method.er.buffer_pairs=10", "method.er.buffer_fraction=null"])["method"]["er"][
-        "buffer_pairs"] == 10
-    for sets in (["method.er.buffer_pairs=10"], ["method.er.buffer_fraction=null"]):
-        with pytest.raises(ValueError, match="give exactly one of buffer_pairs and buffer_fraction") as err:
+    assert resolve("er", ["method.er.buffer_fraction=0.01", "method.er.buffer_pairs=null"])["method"]["er"][
+        "buffer_fraction"] == 0.01
+    for sets in (["method.er.buffer_fraction=0.01"], ["method.er.buffer_pairs=null"]):
+        with pytest.raises(ValueError, match="give exactly one of buffer_pairs and buffer_fraction, the other null "
+                           r"\(e.g. --set method.er.buffer_pairs=null with") as err:
             resolve("er", sets)
         assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match=r"buffer_fraction=1.5: expected a number in \(0, 1\] or null"):
-        resolve("er", ["method.er.buffer_fraction=1.5"])
+        resolve("er", ["method.er.buffer_fraction=1.5", "method.er.buffer_pairs=null"])
+
+
+def test_the_er_preset_holds_its_pairs_from_the_first_task_on_as_ctps_buffer_does(stream):
+    er = ER(resolve("er")["method"]["er"])
+    size = er.params["buffer_pairs"]
+    for i, folder in enumerate(stream):
+        er.after_task(TaskContext(model=None, task_index=i, rank=0, world_size=1, device=torch.device("cpu"),
+                                  current={"task": folder.name, "path": str(folder)}), [])
+        assert len(er.pairs) == min(size, er.seen) == size  # full after the first task (256 pairs here)
+    assert {p["task"] for p in er.pairs} == {folder.name for folder in stream}

@@ -1,10 +1,13 @@
-"""EWC's and MAS's per-sample importances (training/methods/importance.py, ewc.py, mas.py) on a real tiny open_clip
-model, without Ray: the torch.func measurement equals a loop of one-sample autograd gradients, whatever its chunk, and
-it is not the batch-mean gradient's measure that it replaced (larger: mean g² >= (mean g)²)."""
+"""EWC's and MAS's importances (training/methods/importance.py, ewc.py, mas.py) on a real tiny open_clip model, without
+Ray, against CTP's code for its baselines (train/train_EWC.py, train/train_MAS.py): the mean over the task's batches
+of the squared (EWC) or absolute (MAS) gradient of each whole batch's objective, every batch of the last epoch unless
+capped, merged over tasks as a running mean, and a penalty whose weight is CTP's λ/2."""
+
+import collections
+import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from open_clip.model import CLIP, CLIPTextCfg, CLIPVisionCfg
 
 from clipstream.training.engine import prepare_for_deepspeed
@@ -12,106 +15,111 @@ from clipstream.training.losses import clip_loss
 from clipstream.training.methods import build, resolve
 from clipstream.training.methods.base import TaskContext, forward_features
 
+# CTP's λ of each baseline (its train_EWC.py / train_MAS.py), whose penalty is λ/2 · Σ Ω (θ − θ*)² (its App. Eq. 12)
+CTP_LAMBDA = {"ewc": 5000.0, "mas": 1.0}
+
 
 @pytest.fixture(scope="module")
 def tiny():
-    """A real open_clip CLIP, smaller than the presets' (a 300-token vocabulary: the loop below takes every weight's
-    gradient once per sample), and two batches of 5 pairs."""
+    """A real open_clip CLIP, smaller than the presets' (a 300-token vocabulary), and 9 batches of 3 pairs: more
+    than the 8 last batches the importances were measured on before."""
     torch.manual_seed(0)
     model = CLIP(embed_dim=32, vision_cfg=CLIPVisionCfg(layers=2, width=64, head_width=32, patch_size=8, image_size=32),
                  text_cfg=CLIPTextCfg(context_length=16, vocab_size=300, width=64, heads=2, layers=2))
     g = torch.Generator().manual_seed(2)
-    batches = [{"image": torch.randn(5, 3, 32, 32, generator=g), "text": torch.randint(1, 299, (5, 16), generator=g)}
-               for _ in range(2)]
+    batches = [{"image": torch.randn(3, 3, 32, 32, generator=g), "text": torch.randint(1, 299, (3, 16), generator=g)}
+               for _ in range(9)]
     return prepare_for_deepspeed(model), batches
 
 
-def measured(name: str, model, batches, chunk: int):
-    method = build(resolve(name, [f"method.{name}.chunk={chunk}"])).components[0]
-    method.prepare_model(model)  # (as the engine does)
-    method.after_task(TaskContext(model=model, task_index=0, rank=0, world_size=1, device=torch.device("cpu")), batches)
-    return method
+def _ctx(model, task_index=0, teacher=None):
+    return TaskContext(model=model, task_index=task_index, rank=0, world_size=1, device=torch.device("cpu"),
+                       teacher=teacher)
 
 
-def sample_terms(name: str, model, batch):
-    """Each sample's term as the definition reads, through autograd on the live model: the batch's features without
-    gradients, then sample i alone forward, its features put in their place, and EWC's (row i image→text + column i
-    text→image cross-entropy) / 2 or MAS's squared norms of sample i's pre-normalisation features."""
-    with torch.no_grad():
-        others = forward_features(model, batch["image"], batch["text"])
-    for i in range(len(batch["image"])):
-        feats = forward_features(model, batch["image"][i:i + 1], batch["text"][i:i + 1])
-        if name == "mas":
-            yield feats.image_raw.pow(2).sum() + feats.text_raw.pow(2).sum()
-            continue
-        image = torch.cat([others.image[:i], feats.image, others.image[i + 1:]])
-        text = torch.cat([others.text[:i], feats.text, others.text[i + 1:]])
-        label = torch.tensor([i])
-        yield (F.cross_entropy(feats.logit_scale * feats.image @ text.T, label)
-               + F.cross_entropy(feats.logit_scale * feats.text @ image.T, label)) / 2
+def objective(name: str, feats) -> torch.Tensor:
+    """What CTP's code differentiates: EWC its training loss (here the CLIP loss on the batch), MAS the batch mean of
+    the plain L2 norms of the pre-normalisation image and text features."""
+    if name == "ewc":
+        return clip_loss(feats.image, feats.text, feats.logit_scale, distributed=False)
+    return feats.image_raw.norm(dim=-1).mean() + feats.text_raw.norm(dim=-1).mean()
 
 
-def looped(name: str, model, batches) -> tuple[dict, dict]:
-    """(the mean over samples of measure(g_i), the mean over samples of g_i), one sample's gradient at a time."""
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    measure = (lambda g: g.pow(2)) if name == "ewc" else torch.abs
-    total = {n: torch.zeros_like(p) for n, p in params.items()}
-    mean = {n: torch.zeros_like(p) for n, p in params.items()}
-    count = sum(len(b["image"]) for b in batches)
-    for batch in batches:
-        for term in sample_terms(name, model, batch):
-            for (n, _), g in zip(params.items(), torch.autograd.grad(term, list(params.values()), allow_unused=True)):
-                if g is not None:
-                    total[n] += measure(g) / count
-                    mean[n] += g / count
-    return total, mean
-
-
-def batch_mean(name: str, model, batches) -> dict:
-    """The measure the per-sample importances replaced: of each batch's mean gradient, averaged over batches."""
+def ctp_importance(name: str, model, batches) -> dict:
+    """CTP's getFisherDiagonal / get_Memory_Aware_Synapses, through autograd on the live model: per batch the gradient
+    of the batch's objective, squared (EWC) or absolute (MAS), summed over the batches and divided by their number."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     out = {n: torch.zeros_like(p) for n, p in params.items()}
     for batch in batches:
         feats = forward_features(model, batch["image"], batch["text"])
-        objective = (clip_loss(feats.image, feats.text, feats.logit_scale, distributed=False) if name == "ewc" else
-                     (feats.image_raw.pow(2).sum(-1) + feats.text_raw.pow(2).sum(-1)).mean())
-        for (n, _), g in zip(params.items(), torch.autograd.grad(objective, list(params.values()), allow_unused=True)):
+        grads = torch.autograd.grad(objective(name, feats), list(params.values()), allow_unused=True)
+        for n, g in zip(params, grads):
             if g is not None:
-                out[n] += (g.pow(2) if name == "ewc" else g.abs()) / len(batches)
-    return out
+                out[n] += g.pow(2) if name == "ewc" else g.abs()
+    return {n: v / len(batches) for n, v in out.items()}
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a, b, rtol=1e-4, atol=1e-6 * float(b.abs().max()))
 
 
-def at_least(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """a >= b elementwise, but for the float error of summing the same gradients in another order."""
-    return bool((a >= b - 1e-4 * b - 1e-6 * float(b.max())).all())
+@pytest.mark.parametrize("name", ["ewc", "mas"])
+def test_the_importances_are_ctps_batch_gradients_over_every_batch_of_the_last_epoch(tiny, name):
+    model, batches = tiny
+    stack = build(resolve(name))  # the preset, as the engine runs it: batches null
+    window = collections.deque(range(10_000), maxlen=stack.task_end_batches)  # the engine's window of the last epoch
+    assert len(window) == 10_000
+    stack.prepare_model(model)
+    stack.after_task(_ctx(model), batches)
+    measured, expected = stack.components[0].importance, ctp_importance(name, model, batches)
+    assert measured.keys() == expected.keys()
+    assert all(close(measured[n], v) for n, v in expected.items())
+    assert stack.components[0].task_metrics()["importance_seconds"] > 0
+    # every batch counts: the last 8 alone (the old window) measure something else
+    assert not all(close(measured[n], v) for n, v in ctp_importance(name, model, batches[-8:]).items())
 
 
 @pytest.mark.parametrize("name", ["ewc", "mas"])
-def test_per_sample_importance_equals_a_loop_of_one_sample_gradients_and_exceeds_the_batch_mean_one(tiny, name):
+def test_a_capped_measurement_takes_the_last_batches_it_is_given(tiny, name):
     model, batches = tiny
-    expected, mean = looped(name, model, batches)
-    for chunk in (3, 16):  # 3: chunks that do not divide the batches
-        method = measured(name, model, batches, chunk)
-        assert method.importance.keys() == expected.keys()
-        for n, omega in method.importance.items():
-            assert close(omega, expected[n]), (chunk, n)
-        assert method.task_metrics()["importance_seconds"] > 0
-    new = method.importance
-    # the mean of the measure is not the measure of the mean (Jensen): larger, strictly so somewhere
-    of_mean = {n: (g.pow(2) if name == "ewc" else g.abs()) for n, g in mean.items()}
-    assert all(at_least(new[n], v) for n, v in of_mean.items())
-    gap = sum(float((new[n] - v).sum()) for n, v in of_mean.items())
-    assert gap > 0.1 * sum(float(v.sum()) for v in of_mean.values())
-    # against what it replaced, the measure of each batch's mean gradient: for MAS, whose batch objective is the mean
-    # of the samples', that is the Jensen bound above per batch, on every weight; EWC's contrastive batch gradient is
-    # not the samples' mean, and its measure is larger in every tensor and on most weights
-    old = batch_mean(name, model, batches)
-    if name == "mas":
-        assert all(at_least(new[n], v) for n, v in old.items())
-    assert all(float(new[n].sum()) > float(v.sum()) for n, v in old.items() if v.any())
-    assert sum(int((new[n] >= v).sum()) for n, v in old.items()) > 0.85 * sum(v.numel() for v in old.values())
-    assert sum(float(v.sum()) for v in new.values()) > 1.3 * sum(float(v.sum()) for v in old.values())
+    stack = build(resolve(name, [f"method.{name}.batches=4"]))
+    assert stack.task_end_batches == 4
+    stack.prepare_model(model)
+    stack.after_task(_ctx(model), batches)
+    expected = ctp_importance(name, model, batches[-4:])
+    assert all(close(stack.components[0].importance[n], v) for n, v in expected.items())
+
+
+@pytest.mark.parametrize("name", ["ewc", "mas"])
+def test_importances_merge_over_tasks_as_a_running_mean(tiny, name):
+    """CTP's code: Ω ← α·Ω + (1 − α)·Ω_new with α = iteration/(iteration + 1), the mean of every task's Ω."""
+    model, batches = tiny
+    method = build(resolve(name)).components[0]
+    method.prepare_model(model)
+    tasks = [batches[:1], batches[1:3], batches[3:4]]
+    for t, task in enumerate(tasks):
+        method.after_task(_ctx(model, t), task)
+    each = [ctp_importance(name, model, task) for task in tasks]
+    assert method.tasks == 3
+    assert all(close(method.importance[n], sum(e[n] for e in each) / 3) for n in each[0])
+
+
+@pytest.mark.parametrize("preset", ["ewc", "mas", "ewc-vit-b-16", "mas-vit-b-16", "ewc-vit-b-32", "mas-vit-b-32"])
+def test_the_presets_penalty_is_ctps_with_its_lambda(tiny, preset):
+    model, batches = tiny
+    name = preset.split("-")[0]
+    method = build(resolve(preset)).components[0]
+    method.prepare_model(model)
+    method.after_task(_ctx(model), batches[:2])
+    teacher = copy.deepcopy(model).requires_grad_(False)
+    live = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in live.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    ctx = _ctx(live, 1, teacher)
+    method.before_task(ctx)
+    penalty = method.loss_terms(ctx, batches[0], None)["penalty"]
+    old = dict(teacher.named_parameters())
+    ctp = CTP_LAMBDA[name] / 2 * sum((method.importance[n] * (p - old[n]).pow(2)).sum()
+                                     for n, p in live.named_parameters() if n in method.importance)
+    assert float(penalty.detach()) > 0 and torch.allclose(penalty, ctp, rtol=1e-5)

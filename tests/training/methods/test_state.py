@@ -14,7 +14,8 @@ def test_a_state_of_every_kind_round_trips(tmp_path):
         "cllclip": {"freq": torch.arange(5.0), "lam": torch.zeros(0), "teacher": {"version": "1"}, "words": ["a", "bé"],
                     "tokenizer_version": 2, "on": True, "none": None, "ratio": 0.5, "nan": math.nan},
         "er": {"pairs": [{"task": "t", "id": "1", "image": b"\x89PNG\x00\xff", "empty": b""}], "seen": 40},
-        "ctp": {"queue_image": {"rows": torch.randn(4, 3), "ptr": 3}, "momentum": {"w": torch.ones(2, 2, dtype=torch.bfloat16)}},
+        "ctp": {"queue_image": {"rows": torch.randn(4, 3), "keys": torch.full((4, 5), -1), "ptr": 3},
+                "momentum": {"w": torch.ones(2, 2, dtype=torch.bfloat16)}},
         "shared": (torch.ones(3), torch.ones(3)[1:]),  # views of one storage, and a tuple
     }
     save_state(state, tmp_path / STATE_FILE)
@@ -24,6 +25,7 @@ def test_a_state_of_every_kind_round_trips(tmp_path):
     assert back["cllclip"]["none"] is None and back["cllclip"]["on"] is True and math.isnan(back["cllclip"]["nan"])
     assert back["er"] == {"pairs": [{"task": "t", "id": "1", "image": b"\x89PNG\x00\xff", "empty": b""}], "seen": 40}
     assert torch.equal(back["ctp"]["queue_image"]["rows"], state["ctp"]["queue_image"]["rows"])
+    assert torch.equal(back["ctp"]["queue_image"]["keys"], state["ctp"]["queue_image"]["keys"])  # int64 token ids
     assert back["ctp"]["momentum"]["w"].dtype == torch.bfloat16
     assert [t.tolist() for t in back["shared"]] == [[1.0] * 3, [1.0] * 2]
     assert load_state(tmp_path / "nothing-here") == {}
