@@ -2,8 +2,9 @@
 first (`finetune`: the CLIP every method then teaches the other languages, and their frozen teacher); from that
 one version each method learns the K-1 synthetic languages in turn, training the token embeddings only. Rows:
 
-- embeddings: the token embeddings fine-tuned with the CLIP loss alone, new rows random (N(0, 0.02²));
+- embeddings: the token embeddings fine-tuned with the CLIP loss alone, new rows random (N(0, 0.02²)), no decay;
 - cllclip: CLL-CLIP, its cross-modal + cross-lingual losses, new rows random, every row decayed (λ ≡ 1);
+- no-cross-lingual, no-decay: CLL-CLIP with one knob off (its ablations: the cross-lingual loss; the rows' decay);
 - teir: CLL-CLIP with TEIR (new rows from the old table's statistics, λ-scaled gradients and decay).
 
 Reported from each stream's task-known R matrix (Rm, mean of R@1/5/10 both directions, per language's own test
@@ -38,8 +39,11 @@ from clipstream.training.evaluate import KS, ResultMatrix
 
 # name -> (preset, overrides)
 STREAMS = {
-    "embeddings": ("cllclip", ["method.cllclip.cross_modal_weight=1.0", "method.cllclip.cross_lingual_weight=0.0"]),
+    "embeddings": ("cllclip", ["method.cllclip.cross_modal_weight=1.0", "method.cllclip.cross_lingual_weight=0.0",
+                               "method.cllclip.weight_decay=0.0"]),
     "cllclip": ("cllclip", []),
+    "no-cross-lingual": ("cllclip-no-cross-lingual", []),
+    "no-decay": ("cllclip-no-decay", []),
     "teir": ("teir", []),
 }
 BASELINE = "embeddings"  # the paired differences' baseline: the token embeddings fine-tuned with the CLIP loss alone
