@@ -89,10 +89,13 @@ def section(title: str) -> str:
 
 
 @pytest.mark.slow
-def test_the_five_minute_path_runs_as_written(tmp_path):
+def test_the_five_minute_path_runs_as_written(ray_cluster, tmp_path):
     """README's "Five minutes with your own data", command by command, in a fresh directory holding the files it
     names in their real formats (an open_clip TSV, COCO captions JSON, a query image): imports, check, two trained
-    versions, promote, `clipstream serve` in the background, the searches and the encode, and the Python snippet."""
+    versions, promote, `clipstream serve` in the background, the searches and the encode, and the Python snippet.
+    Beside another Ray (this session's), which its own local Rays neither join nor disturb; each `train` quiet by
+    default (clipstream's lines only: Ray's, Ray Data's and DeepSpeed's logs in the log file it names, nothing after
+    its last line); no process of its own left when it is done."""
     import json as json_module
     import os
     import signal
@@ -102,6 +105,7 @@ def test_the_five_minute_path_runs_as_written(tmp_path):
 
     from PIL import Image
 
+    from clipstream.benchmarks.first_run import still_running
     from clipstream.runtime import free_port
     from clipstream.settings import Settings
 
@@ -133,7 +137,8 @@ def test_the_five_minute_path_runs_as_written(tmp_path):
 
     port = free_port()
     settings = Settings(home=tmp_path / "home", grpc_port=port)
-    env = {**os.environ, **settings.env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("CLIPSTREAM_", "RAY_"))}, **settings.env(),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     env.pop("CLIPSTREAM_SERVER", None)  # (the default: this machine's grpc_port)
     server = None
     try:
@@ -150,6 +155,8 @@ def test_the_five_minute_path_runs_as_written(tmp_path):
             done = subprocess.run(["clipstream", *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
                                   timeout=900)
             assert done.returncode == 0, f"clipstream {' '.join(argv)}: {done.stderr[-2000:]}"
+            if argv[0] == "train":
+                quiet(done, settings.home)
             if argv[0] == "search":
                 assert "kettle" in done.stdout or "cup" in done.stdout or "kitchen" in done.stdout, done.stdout
         snippet = text.split("```python\n", 1)[1].split("```", 1)[0].replace("127.0.0.1:9000", f"127.0.0.1:{port}")
@@ -161,3 +168,22 @@ def test_the_five_minute_path_runs_as_written(tmp_path):
         if server is not None:  # SIGTERM, as Kubernetes stops a pod: the command's own clean exit
             os.killpg(server.pid, signal.SIGTERM)
             assert server.wait(timeout=120) == 0
+    assert still_running(f"CLIPSTREAM_HOME={settings.home}\0") == []  # (those that exit within seconds aside)
+    # this session's Ray, running all along, was neither joined nor disturbed
+    assert ray_cluster.get(ray_cluster.remote(lambda: 41 + 1).remote()) == 42
+
+
+def quiet(done, home) -> None:
+    """A `clipstream train` that printed clipstream's lines only, its last line its last, its libraries' logs in
+    the file it named."""
+    printed = done.stdout.splitlines() + [line for line in done.stderr.replace("\r", "\n").splitlines()
+                                          if line.strip() and not line.startswith("clipstream: Ray, DeepSpeed and ")]
+    log = Path(done.stderr.split("clipstream: Ray, DeepSpeed and MLflow log to ", 1)[1].split()[0])
+    assert log.parent == home / "logs" and log.is_file()
+    assert done.stdout.rstrip().splitlines()[-1].startswith("heatmap: ") and len(done.stdout.splitlines()) < 40
+    for noise in ("Reporting training result", "DeepSpeed", "ray.data", "Started a local Ray instance", "Traceback",
+                  "multiple active Ray instances", "WARNING"):
+        assert not any(noise in line for line in printed), f"{noise!r} printed: {[x for x in printed if noise in x]}"
+    logged = log.read_text(errors="replace")
+    assert "Setting accelerator to CPU" in logged  # DeepSpeed's own line (a logger bound to stdout) went to the file
+    assert "multiple active Ray instances" not in logged

@@ -379,42 +379,6 @@ def test_ui_serves_every_versions_run_with_its_heatmap_recall_curve_and_loss_cur
         urllib.request.urlopen(url + "/health", timeout=5)
 
 
-@pytest.mark.slow
-def test_train_is_quiet_beside_another_ray_and_leaves_nothing_behind(ray_cluster, stream, tmp_path):
-    """Quiet by default: a task's job prints clipstream's lines only (its progress bar and tables; Ray's, Ray
-    Data's and DeepSpeed's logs in the log file it names); its own local Ray runs beside this session's without
-    joining it or disturbing it; nothing prints after its last line and no process outlives it."""
-    import os
-
-    from clipstream.benchmarks.first_run import still_running
-
-    home = tmp_path / "home"
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("CLIPSTREAM_", "RAY_"))},
-           "CLIPSTREAM_HOME": str(home)}
-    done = subprocess.run([sys.executable, "-m", "clipstream.cli", "train", "--task", str(stream[0]), "--workers", "1",
-                           "--set", "train.epochs=1", "--set", "train.max_steps=2", "--set", "train.micro_batch=16",
-                           "--set", "train.log_every=2"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, check=False, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    printed = done.stdout.splitlines() + [line for line in done.stderr.replace("\r", "\n").splitlines()
-                                          if line.strip() and not line.startswith("clipstream: Ray, DeepSpeed and MLflow log to")]
-    log = next((home / "logs").glob("train-*.log"))
-    assert f"clipstream: Ray, DeepSpeed and MLflow log to {log}" in done.stderr
-    assert "registered version 1 (alias candidate)" in done.stdout
-    assert done.stdout.rstrip().splitlines()[-1].startswith("heatmap: ")  # the command's last line is its last
-    for noise in ("Reporting training result", "DeepSpeed", "ray.data", "Started a local Ray instance", "Traceback",
-                  "multiple active Ray instances", "WARNING"):
-        assert not any(noise in line for line in printed), f"{noise!r} printed: {[l for l in printed if noise in l]}"
-    assert len(done.stdout.splitlines()) < 40, done.stdout
-    print(done.stdout, done.stderr)  # (shown with -s: what a user sees)
-    logged = log.read_text(errors="replace")
-    assert "Setting accelerator to CPU" in logged  # DeepSpeed's own line (a logger bound to stdout) went to the file
-    assert "multiple active Ray instances" not in logged
-    assert still_running(f"CLIPSTREAM_HOME={home}\0") == []  # (those that exit on their own within seconds aside)
-    # this session's Ray, running all along, was neither joined nor disturbed
-    assert ray_cluster.get(ray_cluster.remote(lambda: 41 + 1).remote()) == 42
-
-
 @pytest.mark.component  # (the session's Ray, which has no GPU: the refusal comes before Ray Train would wait)
 def test_train_asking_gpus_a_cpu_machine_lacks_exits_1_in_one_line_and_registers_nothing(ray_cluster, settings, stream,
                                                                                          capsys):
