@@ -149,45 +149,46 @@ def world(settings: Settings, work: Path, workers: int = 1, overrides: Sequence[
         f"![version 0's top 5 for the first queries of {_load(firsts[0]).name}]({figure.name})",
     ]
     if trained_streams:
-        lines += stream_section(settings, {n: streams[n] for n in trained_streams}, workers, stream_overrides, out,
-                                work)
+        command = f"--streams {','.join(trained_streams)}" + "".join(f" --stream-set {o}" for o in stream_overrides)
+        lines += ["", f"## finetune on each stream from version 0 (`{command}`)", "",
+                  "R[i][j]: Rm (mean of R@1/5/10, both directions, task-known) on task j's test gallery after "
+                  "training task i; row 0 is version 0. Plasticity: R[j][j] minus version 0's score on j; forgetting: "
+                  "the best earlier score on j minus the last.", ""]
+        for name in trained_streams:
+            report.write(out, lines)  # (what is done so far: a stream is tens of minutes of jobs)
+            lines += stream_section(settings, name, streams[name], workers, stream_overrides, out, work)
     return report.shown(out, lines)
 
 
-def stream_section(settings: Settings, streams: dict[str, list[Path]], workers: int, overrides: Sequence[str],
+def stream_section(settings: Settings, name: str, tasks: list[Path], workers: int, overrides: Sequence[str],
                    out: Path, work: Path) -> list[str]:
-    """Each stream trained on top of version 0 with finetune, task after task; after each task the version is
-    scored on every task of its stream (the whole R matrix, the upper triangle too), row 0 being version 0."""
+    """The stream `name` trained on top of version 0 with finetune, task after task; after each task the version is
+    scored on every task of the stream (the whole R matrix, the upper triangle too), row 0 being version 0."""
     from clipstream.registry import Registry
     from clipstream.training.evaluate import ResultMatrix
     from clipstream.training.job import run_task
 
-    sets = "".join(f" --stream-set {o}" for o in overrides)
-    lines = ["", f"## finetune on each stream from version 0 (`--streams {','.join(streams)}{sets}`)", "",
-             "R[i][j]: Rm (mean of R@1/5/10, both directions, task-known) on task j's test gallery after training task "
-             "i; row 0 is version 0. Plasticity: R[j][j] minus version 0's score on j; forgetting: the best earlier "
-             "score on j minus the last.", ""]
+    lines = []
     registry = Registry(settings)
-    for name, tasks in streams.items():
-        rows, parent = [], "start"
-        for task in [*[None], *tasks]:
-            if task is not None:
-                parent = run_task(task, "finetune", parent, workers, overrides, settings, retrain=True).version
-            folder = work / "versions" / f"{name}-{len(rows)}"
-            if folder.exists():
-                shutil.rmtree(folder)
-            registry.export(parent, folder)
-            scores = version0_scores(folder, tasks)
-            rows.append([scores[_load(t).name]["Rm"] for t in tasks])
-        names = [_load(t).name for t in tasks]
-        matrix = ResultMatrix(names, [r[:i + 1] for i, r in enumerate(rows[1:])], baseline=dict(zip(names, rows[0])))
-        picture = matrix.heatmap(out.with_name(f"world-{name}.png"), f"{name}: finetune from version 0, Rm")
-        plastic = [rows[j + 1][j] - rows[0][j] for j in range(len(names))]
-        lines += [f"### {name}", "", *report.table(["after \\ on", *names],
-                                                  [["version 0", *rows[0]], *([n, *r] for n, r in zip(names, rows[1:]))]),
-                  "", f"Plasticity per task: {', '.join(f'{p:+.1f}' for p in plastic)}; forgetting: mean "
-                      f"{matrix.mean_forgetting():.1f} ({', '.join(f'{t} {f:.1f}' for t, f in matrix.forgetting().items())})"
-                      f"; BWT {matrix.bwt():.1f}.", "", f"![{name}]({picture.name})", ""]
+    rows, parent = [], "start"
+    for task in [*[None], *tasks]:
+        if task is not None:
+            parent = run_task(task, "finetune", parent, workers, overrides, settings, retrain=True).version
+        folder = work / "versions" / f"{name}-{len(rows)}"
+        if folder.exists():
+            shutil.rmtree(folder)
+        registry.export(parent, folder)
+        scores = version0_scores(folder, tasks)
+        rows.append([scores[_load(t).name]["Rm"] for t in tasks])
+    names = [_load(t).name for t in tasks]
+    matrix = ResultMatrix(names, [r[:i + 1] for i, r in enumerate(rows[1:])], baseline=dict(zip(names, rows[0])))
+    picture = matrix.heatmap(out.with_name(f"world-{name}.png"), f"{name}: finetune from version 0, Rm")
+    plastic = [rows[j + 1][j] - rows[0][j] for j in range(len(names))]
+    lines += [f"### {name}", "", *report.table(["after \\ on", *names],
+                                              [["version 0", *rows[0]], *([n, *r] for n, r in zip(names, rows[1:]))]),
+              "", f"Plasticity per task: {', '.join(f'{p:+.1f}' for p in plastic)}; forgetting: mean "
+                  f"{matrix.mean_forgetting():.1f} ({', '.join(f'{t} {f:.1f}' for t, f in matrix.forgetting().items())})"
+                  f"; BWT {matrix.bwt():.1f}.", "", f"![{name}]({picture.name})", ""]
     return lines
 
 
@@ -246,9 +247,9 @@ def candidates(settings: Settings, work: Path, minutes: float, overrides: Sequen
              f"Device: {report.device('one process, plain open_clip loop')}. Each candidate trained for {minutes:g} "
              f"min of wall clock on the pretraining corpus at its input size (batch {preset['train']['micro_batch']}, "
              f"AdamW lr {preset['train']['lr']:g} on a cosine over the minutes, weight decay "
-             f"{preset['train']['weight_decay']:g}), then scored on emoji-styles' first task's test gallery as version 0 "
-             "is (task-known; R@10 mean of both directions). One seed: a difference of a point or two is within a "
-             "rerun's spread.", "",
+             f"{preset['train']['weight_decay']:g}), then scored on emoji-styles' first task's test gallery as "
+             "version 0 is (task-known; R@10 mean of both directions). One seed: a difference of a point or two is "
+             "within a rerun's spread.", "",
              *report.table(["model", "input / patch", "width vision / text", "layers", "M params", "pairs/s",
                             "epochs in the time", "Rm", "R@10"], rows), ""]
     return report.shown(out, lines)
