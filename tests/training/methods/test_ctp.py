@@ -47,6 +47,16 @@ def tiny():
     return teacher, batch
 
 
+def _started(teacher):
+    """A live copy of `teacher`, CTP with a queue of 16 on it and its task's context, the task begun."""
+    live = copy.deepcopy(teacher).requires_grad_(True)
+    ctp = build(resolve("ctp", ["method.ctp.queue_size=16"])).components[0]
+    ctx = TaskContext(model=live, task_index=1, rank=0, world_size=1, device=torch.device("cpu"), teacher=teacher)
+    ctp.prepare_model(live)
+    ctp.before_task(ctx)
+    return live, ctp, ctx
+
+
 def _step(ctp, ctx, batch):
     """One step's terms, and the queues as that step contrasted against them."""
     queues = {k: (q.rows.clone(), q.keys.clone()) for k, q in ctp.queues.items()}
@@ -56,11 +66,7 @@ def _step(ctp, ctx, batch):
 
 def test_a_task_smaller_than_the_queue_never_contrasts_a_pair_with_its_own_earlier_features(tiny):
     teacher, batch = tiny
-    live = copy.deepcopy(teacher).requires_grad_(True)
-    ctp = build(resolve("ctp", ["method.ctp.queue_size=16"])).components[0]
-    ctx = TaskContext(model=live, task_index=1, rank=0, world_size=1, device=torch.device("cpu"), teacher=teacher)
-    ctp.prepare_model(live)
-    ctp.before_task(ctx)
+    live, ctp, ctx = _started(teacher)
     _step(ctp, ctx, batch)  # the first pass over the task: the queue then holds its 6 pairs
     half = {k: v[:3] for k, v in batch.items()}
     for epoch in range(2):  # the task comes round again: its pairs' earlier features are in the queue
@@ -88,11 +94,7 @@ def test_a_task_smaller_than_the_queue_never_contrasts_a_pair_with_its_own_earli
 def test_pairs_the_queue_has_not_held_leave_it_whole(tiny):
     """At CTP's sizes a pair has left the queue before it comes round: the contrast set is [M's batch ; K rows]."""
     teacher, batch = tiny
-    live = copy.deepcopy(teacher).requires_grad_(True)
-    ctp = build(resolve("ctp", ["method.ctp.queue_size=16"])).components[0]
-    ctx = TaskContext(model=live, task_index=1, rank=0, world_size=1, device=torch.device("cpu"), teacher=teacher)
-    ctp.prepare_model(live)
-    ctp.before_task(ctx)
+    live, ctp, ctx = _started(teacher)
     first, other = ({k: v[:3] for k, v in batch.items()}, {k: v[3:] for k, v in batch.items()})
     _step(ctp, ctx, first)
     terms, queues = _step(ctp, ctx, other)
