@@ -223,11 +223,9 @@ def candidates(settings: Settings, work: Path, minutes: float, overrides: Sequen
     from clipstream.training import methods
 
     preset = methods.resolve(PRESET, overrides)
-    base = open_clip.get_model_config(preset["model"]["arch"])
     rows = []
     with tempfile.TemporaryDirectory() as configs:
-        for name, change in CANDIDATES.items():
-            config = {**base, **{k: {**base.get(k, {}), **v} if isinstance(v, dict) else v for k, v in change.items()}}
+        for name, config in candidate_configs(preset["model"]["arch"]).items():
             arch = f"clipstream-probe-{len(rows)}"
             (Path(configs) / f"{arch}.json").write_text(json.dumps(config))
             open_clip.add_model_config(Path(configs) / f"{arch}.json")
@@ -253,6 +251,15 @@ def candidates(settings: Settings, work: Path, minutes: float, overrides: Sequen
              *report.table(["model", "input / patch", "width vision / text", "layers", "M params", "pairs/s",
                             "epochs in the time", "Rm", "R@10"], rows), ""]
     return report.shown(out, lines)
+
+
+def candidate_configs(arch: str) -> dict[str, dict]:
+    """Each of CANDIDATES as an open_clip model config: `arch`'s with the candidate's changes."""
+    from clipstream import models
+
+    base = models.architecture(arch)
+    return {name: {**base, **{k: {**base.get(k, {}), **v} if isinstance(v, dict) else v for k, v in change.items()}}
+            for name, change in CANDIDATES.items()}
 
 
 def probe(arch: str, corpus, train: dict, seconds: float) -> dict:

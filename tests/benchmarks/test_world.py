@@ -99,3 +99,16 @@ def test_bad_options_are_refused_before_anything_is_fetched_or_trained(monkeypat
         world.main(["--streams", "emoji-styles,emoji-colours"])
     with pytest.raises(ValueError, match="--candidates -1: give the minutes"):
         world.main(["--candidates", "-1"])
+
+
+def test_the_candidates_are_the_presets_model_with_one_change_each():
+    from clipstream.training import methods
+
+    configs = world.candidate_configs(methods.resolve(world.PRESET)["model"]["arch"])
+    preset = configs.pop("preset")
+    assert preset["vision_cfg"]["image_size"] == 32 and set(configs) == {"48 px", "width 192", "8+8 layers"}
+    assert configs["48 px"] == {**preset, "vision_cfg": {**preset["vision_cfg"], "image_size": 48}}
+    assert configs["8+8 layers"]["text_cfg"] == {**preset["text_cfg"], "layers": 8}
+    wide = configs["width 192"]
+    assert (wide["embed_dim"], wide["vision_cfg"]["width"], wide["text_cfg"]["width"]) == (192, 192, 192)
+    assert wide["vision_cfg"]["patch_size"] == preset["vision_cfg"]["patch_size"]  # (the rest as the preset's)
