@@ -223,14 +223,16 @@ def candidates(settings: Settings, work: Path, minutes: float, overrides: Sequen
     from clipstream.training import methods
 
     preset = methods.resolve(PRESET, overrides)
-    rows = []
+    rows, written = [], {}
     with tempfile.TemporaryDirectory() as configs:
         for name, config in candidate_configs(preset["model"]["arch"]).items():
             arch = f"clipstream-probe-{len(rows)}"
             (Path(configs) / f"{arch}.json").write_text(json.dumps(config))
             open_clip.add_model_config(Path(configs) / f"{arch}.json")
             size = int(config["vision_cfg"]["image_size"])
-            corpus, streams = data(settings, work / "data", size, seed, ["emoji-styles"])
+            if size not in written:  # (each size's data once: `data` checks every source's cache too)
+                written[size] = data(settings, work / "data", size, seed, ["emoji-styles"])
+            corpus, streams = written[size]
             trained = probe(arch, _load(corpus), preset["train"], minutes * 60)
             [scores] = evaluate_bundle(trained.pop("bundle"), [streams["emoji-styles"][0]]).values()
             v, t = config["vision_cfg"], config["text_cfg"]

@@ -5,14 +5,11 @@ on a real tiny open_clip model, without Ray."""
 
 import copy
 
-import pytest
 import torch
 import torch.nn.functional as F
 
-from clipstream import models
-from clipstream.training.engine import prepare_for_deepspeed
 from clipstream.training.methods import build, resolve
-from clipstream.training.methods.base import TaskContext, forward_features, frozen
+from clipstream.training.methods.base import TaskContext, forward_features
 from clipstream.training.methods.ctp import cmc_loss
 
 
@@ -35,18 +32,6 @@ def test_rows_left_out_of_the_contrast_set_weigh_as_if_the_queue_had_never_held_
     assert torch.equal(none_left_out, cmc_loss(img, txt, m_img, m_txt, q_img, q_txt, 0.07)[0])
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    """A real tiny CLIP (the presets' model) as θ(t-1), and a task of 6 pairs: smaller than the queue."""
-    torch.manual_seed(1)
-    teacher = frozen(prepare_for_deepspeed(models.create("clipstream-vit-tiny").model))
-    bundle = models.create("clipstream-vit-tiny")
-    batch = {"image": torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(2)),
-             "text": bundle.tokenizer([f"a {c} square on a plain background" for c in
-                                       ("red", "blue", "green", "white", "black", "pink")])}
-    return teacher, batch
-
-
 def _started(teacher):
     """A live copy of `teacher`, CTP with a queue of 16 on it and its task's context, the task begun."""
     live = copy.deepcopy(teacher).requires_grad_(True)
@@ -64,8 +49,9 @@ def _step(ctp, ctx, batch):
     return terms, queues
 
 
-def test_a_task_smaller_than_the_queue_never_contrasts_a_pair_with_its_own_earlier_features(tiny):
-    teacher, batch = tiny
+def test_a_task_smaller_than_the_queue_never_contrasts_a_pair_with_its_own_earlier_features(pair):
+    """The task: `pair`'s 6 pairs, smaller than the queue of 16."""
+    _, teacher, batch = pair
     live, ctp, ctx = _started(teacher)
     _step(ctp, ctx, batch)  # the first pass over the task: the queue then holds its 6 pairs
     half = {k: v[:3] for k, v in batch.items()}
@@ -91,9 +77,9 @@ def test_a_task_smaller_than_the_queue_never_contrasts_a_pair_with_its_own_earli
     assert torch.allclose(resumed.loss_terms(ctx, batch, feats)["cmc"], ctp.loss_terms(ctx, batch, feats)["cmc"])
 
 
-def test_pairs_the_queue_has_not_held_leave_it_whole(tiny):
+def test_pairs_the_queue_has_not_held_leave_it_whole(pair):
     """At CTP's sizes a pair has left the queue before it comes round: the contrast set is [M's batch ; K rows]."""
-    teacher, batch = tiny
+    _, teacher, batch = pair
     live, ctp, ctx = _started(teacher)
     first, other = ({k: v[:3] for k, v in batch.items()}, {k: v[3:] for k, v in batch.items()})
     _step(ctp, ctx, first)

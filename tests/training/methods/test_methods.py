@@ -10,9 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clipstream import models
 from clipstream.training.data.task import Task
-from clipstream.training.engine import prepare_for_deepspeed
 from clipstream.training.losses import clip_loss, fill_positives
 from clipstream.training.methods import build, resolve
 from clipstream.training.methods.base import TaskContext, forward_features, frozen
@@ -25,20 +23,6 @@ from clipstream.training.methods.modx import modx_distill
 def unit(n=8, d=16, seed=0, grad=False):
     x = F.normalize(torch.randn(n, d, generator=torch.Generator().manual_seed(seed)), dim=-1)
     return x.requires_grad_(grad)
-
-
-@pytest.fixture(scope="module")
-def pair():
-    """Two different real tiny CLIPs (student, teacher) and a batch for them."""
-    torch.manual_seed(0)
-    student = prepare_for_deepspeed(models.create("clipstream-vit-tiny").model)
-    torch.manual_seed(1)
-    teacher = frozen(prepare_for_deepspeed(models.create("clipstream-vit-tiny").model))
-    bundle = models.create("clipstream-vit-tiny")
-    batch = {"image": torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(2)),
-             "text": bundle.tokenizer([f"a {c} square on a plain background" for c in
-                                       ("red", "blue", "green", "white", "black", "pink")])}
-    return student, teacher, batch
 
 
 def _ctx(model, teacher, task_index=1):
